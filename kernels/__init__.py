@@ -1,0 +1,1 @@
+"""Fused kernels (Triton on GPU, PyTorch fallback elsewhere)."""

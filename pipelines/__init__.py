@@ -1,0 +1,1 @@
+"""Offline pipelines: prompt sets, target regeneration, drafter pretraining and evaluation."""

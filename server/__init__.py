@@ -1,0 +1,1 @@
+"""Serving node: HTTP API on the speculative engine."""

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random targets and drafters (2 layers, 64 wide), and a tiny HF-format
+target directory that carries SmolLM2's real tokenizer (so chat templates and the CLI work)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaflash.drafter import Drafter, DrafterConfig
+from adaflash.target import TargetConfig, TargetModel
+
+
+def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.3) -> TargetModel:
+    """A random Llama-style target; a large init std gives peaked, seed-dependent distributions."""
+    torch.manual_seed(seed)
+    cfg = TargetConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rope_theta=10000.0)
+    model = TargetModel(cfg, feature_layers=sorted({0, max(0, layers - 2)}))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=std)
+    for n, p in model.named_parameters():
+        if "norm" in n:
+            torch.nn.init.ones_(p)
+    return model.eval().requires_grad_(False)
+
+
+def tiny_drafter(target: TargetModel, seed: int = 0, block_size: int = 6) -> Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target, {"name": "tiny"}, num_layers=2, block_size=block_size)
+    return Drafter(cfg, target).eval()
+
+
+@pytest.fixture
+def tiny():
+    target = tiny_target()
+    return target, tiny_drafter(target)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The cached float copy of the packaged SmolLM2 (converted once, ~30 s on first use)."""
+    from adaflash.target import gguf_to_hf_dir, packaged_gguf
+
+    return gguf_to_hf_dir(packaged_gguf())
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 2-layer, 64-wide random Llama with SmolLM2's vocabulary and tokenizer, in HF format."""
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16)
+    cfg.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(cfg))
+    model = TargetModel(TargetConfig.from_hf(cfg))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out / "model.safetensors"))
+    for f in smollm2_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out

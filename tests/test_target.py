@@ -1,0 +1,99 @@
+"""Target model: matches Hugging Face's reference implementation; cache, padding and rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaflash.target import TargetConfig, TargetModel, default_feature_layers, load_target
+from conftest import tiny_target
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_matches_transformers(arch):
+    import transformers
+
+    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if arch == "llama":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)).eval()
+    cfg = TargetConfig.from_hf(hf.config.to_dict())
+    ours = TargetModel(cfg, feature_layers=[0, 1])  # HF's last hidden state is post-norm: compare inner layers
+    ours.load_state_dict(hf.state_dict(), strict=False)
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+    logits, feats = ours(ids, ours.new_cache(2))
+    torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(feats, torch.cat([ref.hidden_states[1], ref.hidden_states[2]], -1), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_and_crop_match_full_forward():
+    model = tiny_target()
+    ids = torch.randint(0, 64, (1, 20))
+    full, full_feats = model(ids, model.new_cache(1, capacity=4))  # capacity 4 forces the cache to grow
+    cache = model.new_cache(1, capacity=4)
+    a, fa = model(ids[:, :7], cache)
+    junk, _ = model(torch.randint(0, 64, (1, 5)), cache)  # speculative tokens that get rejected
+    cache.crop(7)
+    b, fb = model(ids[:, 7:], cache)
+    torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([fa, fb], 1), full_feats, atol=1e-5, rtol=1e-5)
+
+
+def test_left_padded_batch_matches_single_rows():
+    model = tiny_target()
+    rows = [torch.randint(0, 64, (n,)) for n in (5, 9, 3)]
+    width = 9
+    ids = torch.zeros(3, width, dtype=torch.long)
+    valid = torch.zeros(3, width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        valid[i, width - len(r):] = True
+    cache = model.new_cache(3)
+    logits, _ = model(ids, cache, valid=valid, logits_last_only=True)
+    step = torch.randint(0, 64, (3, 1))
+    logits2, _ = model(step, cache, logits_last_only=True)
+    for i, r in enumerate(rows):
+        c = model.new_cache(1)
+        single, _ = model(r[None], c, logits_last_only=True)
+        single2, _ = model(step[i : i + 1], c, logits_last_only=True)
+        torch.testing.assert_close(logits[i], single[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits2[i], single2[0], atol=1e-5, rtol=1e-5)
+    cache.select_rows(torch.tensor([2, 0]))  # finished rows leave the batch
+    logits3, _ = model(step[[2, 0]], cache, logits_last_only=True)
+    assert torch.isfinite(logits3).all()
+
+
+def test_default_feature_layers_spread():
+    assert default_feature_layers(36) == [1, 9, 17, 25, 33]  # the Qwen3-8B choice
+    assert default_feature_layers(30) == [1, 8, 14, 20, 27]
+    assert default_feature_layers(4) == [1]
+
+
+def test_load_hf_dir_and_errors(tiny_hf_dir, tmp_path):
+    t = load_target(str(tiny_hf_dir), "float32")
+    ids = t.encode_chat("What is 2+3?")
+    assert t.tokenizer.decode(ids).rstrip().endswith("assistant")
+    assert t.identity["vocab_size"] == 49152 and len(t.identity["fingerprint"]) == 16
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_target(str(tmp_path), "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        load_target(str(tiny_hf_dir), "float16")
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    t = load_target("smollm2", "float32")
+    assert t.identity["num_layers"] == 30 and t.model.feature_layers == [1, 8, 14, 20, 27]
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([t.encode_chat("Name three primary colours.")])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    logits, _ = t.model(ids, t.model.new_cache())
+    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=1e-4)
