@@ -1,0 +1,247 @@
+"""DFlash-style block-diffusion drafter: one forward pass proposes a whole block of tokens.
+
+Conditioning on the target (KV injection): the hidden states of a few target layers are concatenated,
+fused by `fc` + RMSNorm into context features, and every drafter layer projects them through its own
+k/v projections. These context keys/values sit in front of the block's own keys/values; queries come
+from block tokens only, so the context never enters the residual stream. The block is
+[last committed token, MASK x (K-1)], attention inside it is bidirectional, and the target's own
+(frozen, shared, not saved) embedding and LM head turn block positions 1..K-1 into K-1 draft tokens.
+The drafter's cache keeps context K/V only; the block's K/V are recomputed each round.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from adaflash.layers import MLP, Attention, RMSNorm, Rotary
+from adaflash.target import KVCache, TargetModel
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # drafter depth (the target's own depth is in `target`)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    target_layer_ids: list[int]  # target layers whose outputs are fused into context features
+    block_size: int = 16  # anchor + (block_size - 1) drafted tokens
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    qk_norm: bool = True
+    mask: str = "learned"  # the MASK slot is a learned embedding (the vocabulary need not reserve a token)
+    target: dict = field(default_factory=dict)  # identity of the target it was trained for
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.mask != "learned":
+            raise ValueError(f"mask must be 'learned', got {self.mask!r}")
+
+    @classmethod
+    def for_target(cls, target: TargetModel, identity: dict, num_layers: int = 3, block_size: int = 16) -> "DrafterConfig":
+        """A drafter in the target's own style and width, conditioned on the target's feature layers."""
+        c = target.config
+        return cls(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=num_layers,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            target_layer_ids=list(target.feature_layers),
+            block_size=block_size,
+            rope_theta=c.rope_theta,
+            rms_norm_eps=c.rms_norm_eps,
+            target=dict(identity),
+        )
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qk_norm, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig, target: TargetModel):
+        super().__init__()
+        self.config = config
+        n_feat = len(config.target_layer_ids)
+        self.fc = nn.Linear(n_feat * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.randn(config.hidden_size) * 0.02)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.attach(target)
+
+    def attach(self, target: TargetModel) -> None:
+        """Share the target's frozen embedding and LM head (kept out of this module's parameters)."""
+        if target.config.hidden_size != self.config.hidden_size:
+            raise ValueError(f"drafter width {self.config.hidden_size} != target width {target.config.hidden_size}")
+        if list(target.feature_layers) != list(self.config.target_layer_ids):
+            raise ValueError(f"target exposes layers {target.feature_layers}, drafter needs {self.config.target_layer_ids}")
+        self.__dict__["embed"] = target.model.embed_tokens
+        self.__dict__["lm_head"] = target.lm_head
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.fc.weight.dtype, capacity)
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """[B, T, n*H] target-layer features -> [B, T, H] context features."""
+        return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
+
+    def block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """[...] anchor ids -> [..., K, H] embeddings of [anchor, MASK x (K-1)]."""
+        first = self.embed(anchor_tokens).to(self.mask_embedding.dtype)[..., None, :]
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, self.block_size - 1, -1)
+        return torch.cat([first, masks], dim=-2)
+
+    @torch.no_grad()
+    def extend_context(self, feats: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None) -> None:
+        """Append newly committed tokens' target features [B, T, n*H] to the context K/V cache."""
+        b, t, _ = feats.shape
+        if t == 0:
+            return
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool)
+        ctx = self.fuse(feats)  # [B, T, H]
+        start = cache.length
+        cache.reserve(t)
+        positions = (cache.next_pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            cache.k[i][:, :, start : start + t] = k
+            cache.v[i][:, :, start : start + t] = v
+        cache.valid[:, start : start + t] = valid
+        cache.next_pos += valid.sum(1)
+        cache.length = start + t
+
+    @torch.no_grad()
+    def draft(self, cache: KVCache, last_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the block. last_token: [B]. Returns (draft logits [B, K-1, V] fp32,
+        final block hidden states [B, K, H] for the length head)."""
+        k_blk = self.block_size
+        x = self.block_input(last_token)  # [B, K, H]
+        positions = cache.next_pos[:, None] + torch.arange(k_blk)  # [B, K]: the anchor sits at next_pos
+        cos, sin = self.rotary(positions, x.dtype)
+        n = cache.length
+        mask = torch.cat([cache.valid[:, :n], torch.ones(x.shape[0], k_blk, dtype=torch.bool)], dim=1)
+        mask = mask[:, None, None, :]  # [B, 1, 1, n + K]: all context and the whole block, no causal mask
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.project_q(h, cos, sin)
+            kb, vb = attn.project_kv(h, cos, sin)
+            k = torch.cat([cache.k[i][:, :, :n], kb], dim=2)
+            v = torch.cat([cache.v[i][:, :, :n], vb], dim=2)
+            x = x + attn.attend(q, k, v, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.norm(x)
+        return self.lm_head(h[:, 1:]).float(), h
+
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Training forward over many blocks per sequence (DFlash recipe).
+
+        feats [B, T, n*H] target features; tokens [B, T] (right padded); lengths [B];
+        anchors [B, NB] anchor positions (-1 = unused slot). Block j of row b sees the context strictly
+        before its anchor, all of its own block and nothing of other blocks.
+        Returns final hidden states of block positions 1..K-1: [B, NB, K-1, H].
+        """
+        b, t = tokens.shape
+        nb, k_blk = anchors.shape[1], self.block_size
+        ctx = self.fuse(feats)  # [B, T, H]
+        safe = anchors.clamp(min=0)
+        x = self.block_input(torch.gather(tokens, 1, safe)).reshape(b, nb * k_blk, -1)  # [B, NB*K, H]
+        blk_pos = (safe[:, :, None] + torch.arange(k_blk)).reshape(b, nb * k_blk)  # [B, NB*K]
+        ctx_pos = torch.arange(t).expand(b, t)
+        cos_b, sin_b = self.rotary(blk_pos, x.dtype)
+        cos_c, sin_c = self.rotary(ctx_pos, x.dtype)
+        # mask [B, 1, NB*K, T + NB*K]
+        block_of = torch.arange(nb).repeat_interleave(k_blk)  # [NB*K]
+        anchor_q = safe.repeat_interleave(k_blk, dim=1)  # [B, NB*K]
+        sees_ctx = (torch.arange(t)[None, None, :] < anchor_q[:, :, None]) & (torch.arange(t)[None, None, :] < lengths[:, None, None])
+        sees_blk = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
+        mask = torch.cat([sees_ctx, sees_blk], dim=2)[:, None]
+        for layer in self.layers:
+            attn = layer.self_attn
+            kc, vc = attn.project_kv(ctx, cos_c, sin_c)
+            h = layer.input_layernorm(x)
+            q = attn.project_q(h, cos_b, sin_b)
+            kb, vb = attn.project_kv(h, cos_b, sin_b)
+            x = x + attn.attend(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.norm(x).view(b, nb, k_blk, -1)
+        return h[:, :, 1:]
+
+    def save(self, out_dir: Path, dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
+        """safetensors weights + config.json (block size, target layers, mask handling, target identity)."""
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+        meta = {"architecture": "DFlashDrafter", "dtype": str(dtype).removeprefix("torch."), **asdict(self.config)}
+        meta["n_params"] = sum(p.numel() for p in self.parameters())
+        meta.update(extra or {})
+        (out_dir / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+        return out_dir
+
+
+def load_drafter_config(path: Path) -> DrafterConfig:
+    meta = json.loads((Path(path) / CONFIG).read_text())
+    if meta.get("architecture") != "DFlashDrafter":
+        raise ValueError(f"{path}/config.json is not a DFlash drafter config")
+    names = DrafterConfig.__dataclass_fields__.keys()
+    return DrafterConfig(**{k: v for k, v in meta.items() if k in names})
+
+
+def check_fits(config: DrafterConfig, identity: dict) -> None:
+    """Refuse a drafter trained for another target (different weights, vocabulary or width)."""
+    want = config.target
+    for key in ("fingerprint", "vocab_size", "hidden_size", "num_layers"):
+        if key in want and want[key] != identity.get(key):
+            raise ValueError(
+                f"drafter was trained for target {want.get('name')} ({key}={want[key]}), "
+                f"but the loaded target has {key}={identity.get(key)}: use a drafter trained for this target"
+            )
+
+
+def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: torch.dtype | None = None) -> Drafter:
+    """Load a drafter directory for `target`; refuses mismatched targets and non-finite weights."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
+        raise FileNotFoundError(f"{path} is not a drafter directory (needs {CONFIG} and {WEIGHTS})")
+    config = load_drafter_config(path)
+    check_fits(config, identity)
+    drafter = Drafter(config, target)
+    state = load_file(str(path / WEIGHTS))
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise ValueError(f"drafter {path} has non-finite weights in {bad[:3]}")
+    drafter.load_state_dict(state)  # strict: shapes and names must match the config
+    return drafter.to(dtype or target.dtype).eval().requires_grad_(False)

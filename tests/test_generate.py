@@ -1,0 +1,118 @@
+"""Generation loops: greedy DFlash == plain greedy decoding; sampling keeps the target distribution."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from adaflash.generate import generate_ar, generate_dflash
+from conftest import tiny_drafter, tiny_target
+
+
+class OracleDrafter:
+    """Fixed-output mock: drafts the target's true greedy continuation, corrupting each position with
+    probability `noise`, so rounds accept every possible prefix length."""
+
+    block_size = 6
+
+    def __init__(self, reference: list[int], vocab: int, noise: float, seed: int):
+        self.reference, self.vocab, self.noise = reference, vocab, noise
+        self.rng = random.Random(seed)
+
+    class Cache:
+        length = 0
+
+    def new_cache(self, batch=1, capacity=0):
+        return self.Cache()
+
+    def extend_context(self, feats, cache):
+        cache.length += feats.shape[1]
+
+    def draft(self, cache, last_token):
+        logits = torch.zeros(1, self.block_size - 1, self.vocab)
+        for j in range(self.block_size - 1):
+            pos = cache.length + 1 + j  # the anchor sits at position cache.length
+            tok = self.reference[pos] if pos < len(self.reference) else 0
+            if self.rng.random() < self.noise:
+                tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            logits[0, j, tok] = 1.0
+        return logits, None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_greedy_dflash_equals_plain_decoding(seed):
+    target = tiny_target(seed)
+    drafter = tiny_drafter(target, seed)
+    prompt = torch.randint(0, 64, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+    eos = [seed % 64] if seed % 3 == 0 else []  # some runs stop on EOS mid-block
+    ar = generate_ar(target, prompt, 40, eos)
+    for verify_len in (None, 2, 4):
+        sd = generate_dflash(target, drafter, prompt, 40, eos, verify_len=verify_len)
+        assert sd.output_ids == ar.output_ids
+        assert sd.target_forwards == sd.rounds + 1
+    for noise in (0.0, 0.3, 0.7):
+        oracle = OracleDrafter(prompt + ar.output_ids, 64, noise, seed)
+        sd = generate_dflash(target, oracle, prompt, 40, eos)
+        assert sd.output_ids == ar.output_ids
+        if noise == 0.0 and len(ar.output_ids) == 40:
+            assert sd.tau > 4  # near-perfect drafts commit nearly whole blocks
+        assert sd.committed == len(sd.output_ids) - 1
+
+
+def test_max_new_tokens_and_stats():
+    target = tiny_target(3)
+    prompt = [1, 2, 3]
+    ar = generate_ar(target, prompt, 17, [])
+    oracle = OracleDrafter(prompt + ar.output_ids, 64, 0.0, 0)
+    sd = generate_dflash(target, oracle, prompt, 17, [])
+    assert len(sd.output_ids) == 17 == len(ar.output_ids)
+    assert sd.output_ids == ar.output_ids
+    assert sd.accept_by_position[0] == 1.0
+    assert sum(sd.accepted_per_round) + sd.rounds >= 16
+
+
+def test_context_limit_is_checked():
+    target = tiny_target()
+    with pytest.raises(ValueError, match="exceeds the target's context"):
+        generate_ar(target, [1] * 8190, 10, [])
+
+
+def _marginals(target, prompt: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact target distributions of the 2nd and 3rd generated tokens (temperature 1)."""
+    def next_probs(seq):
+        logits, _ = target(torch.tensor([seq]), target.new_cache(1), logits_last_only=True)
+        return torch.softmax(logits[0, -1].double(), -1)
+
+    p1 = next_probs(prompt)
+    m2, m3 = torch.zeros(vocab, dtype=torch.float64), torch.zeros(vocab, dtype=torch.float64)
+    for x1 in range(vocab):
+        p2 = next_probs(prompt + [x1])
+        m2 += p1[x1] * p2
+        for x2 in range(vocab):
+            m3 += p1[x1] * p2[x2] * next_probs(prompt + [x1, x2])
+    return m2, m3
+
+
+def test_sampling_dflash_keeps_target_distribution():
+    """Tokens 2 and 3 come from a speculative round (2 drafts verified with the rejection rule);
+    their empirical distributions must match the target's exact marginals (chi-square, p=0.001)."""
+    vocab = 8
+    target = tiny_target(5, vocab=vocab, layers=2, std=0.25)
+    drafter = tiny_drafter(target, 7, block_size=4)
+    prompt = [1, 5, 2]
+    m2, m3 = _marginals(target, prompt, vocab)
+    n = 1500
+    c2, c3 = torch.zeros(vocab), torch.zeros(vocab)
+    accepted = 0
+    for s in range(n):
+        res = generate_dflash(target, drafter, prompt, 3, [], temperature=1.0, seed=s)
+        c2[res.output_ids[1]] += 1
+        c3[res.output_ids[2]] += 1
+        accepted += sum(res.accepted_per_round)
+    for counts, exact in ((c2, m2), (c3, m3)):
+        expected = exact * n
+        chi2 = ((counts.double() - expected) ** 2 / expected.clamp(min=1e-9)).sum().item()
+        assert chi2 < 24.3, (chi2, counts, expected)  # 7 degrees of freedom, p = 0.001
+    assert accepted > n * 0.2  # the accept path was exercised, not only the residual

@@ -1,0 +1,98 @@
+"""The verifier with fixed-logit mocks (never / always / 2 of 3 accepted) and the sampling rule's
+distribution checked exactly and statistically."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from adaflash.spec import accepted_length, verify_greedy, verify_sampling
+
+V = 8
+
+
+def onehot_logits(tokens: list[int]) -> torch.Tensor:
+    """[1, len, V] logits whose argmax is `tokens`."""
+    out = torch.full((1, len(tokens), V), -5.0)
+    for i, t in enumerate(tokens):
+        out[0, i, t] = 5.0
+    return out
+
+
+def test_greedy_never_accepts():
+    draft = torch.tensor([[1, 2, 3]])
+    n, bonus = verify_greedy(draft, onehot_logits([4, 2, 3, 7]))
+    assert n.tolist() == [0] and bonus.tolist() == [4]  # the target's own token replaces the first draft
+
+
+def test_greedy_always_accepts():
+    draft = torch.tensor([[1, 2, 3]])
+    n, bonus = verify_greedy(draft, onehot_logits([1, 2, 3, 7]))
+    assert n.tolist() == [3] and bonus.tolist() == [7]  # all drafts plus the bonus after the last
+
+
+def test_greedy_accepts_two_of_three():
+    draft = torch.tensor([[1, 2, 3]])
+    n, bonus = verify_greedy(draft, onehot_logits([1, 2, 5, 7]))
+    assert n.tolist() == [2] and bonus.tolist() == [5]
+    # a later match after a mismatch does not count
+    n, _ = verify_greedy(torch.tensor([[1, 0, 3]]), onehot_logits([1, 2, 3, 7]))
+    assert n.tolist() == [1]
+
+
+def test_accepted_length_batch():
+    d = torch.tensor([[1, 2, 3], [1, 2, 3], [0, 2, 3]])
+    t = torch.tensor([[1, 2, 3], [1, 9, 3], [1, 2, 3]])
+    assert accepted_length(d, t).tolist() == [3, 1, 0]
+
+
+def test_sampling_zero_target_prob_never_accepts_and_full_match_always_accepts():
+    g = torch.Generator().manual_seed(0)
+    q = torch.full((1, 2, V), 1.0 / V)
+    p = torch.zeros(1, 3, V)
+    p[:, :, 5] = 1.0  # the target always says 5
+    for _ in range(50):
+        n, nxt = verify_sampling(torch.tensor([[1, 2]]), q, p, g)
+        assert n.item() == 0 and nxt.item() == 5
+    q_same = p[:, :2].clone()
+    n, nxt = verify_sampling(torch.tensor([[5, 5]]), q_same, p, g)
+    assert n.item() == 2 and nxt.item() == 5
+
+
+def _first_token_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Exact distribution of the first committed token under the rejection rule with one draft."""
+    accept = torch.minimum(torch.ones(V), p / q)  # P(accept | draft = x)
+    from_accept = q * accept
+    residual = (p - q).clamp(min=0)
+    reject_mass = 1 - from_accept.sum()
+    return from_accept + reject_mass * residual / residual.sum()
+
+
+def test_rejection_rule_is_exactly_lossless():
+    torch.manual_seed(0)
+    for _ in range(10):
+        p = torch.softmax(torch.randn(V) * 2, -1)
+        q = torch.softmax(torch.randn(V) * 2, -1)
+        torch.testing.assert_close(_first_token_distribution(p, q), p, atol=1e-6, rtol=1e-5)
+
+
+def test_sampling_verify_keeps_target_distribution():
+    """Chi-square test: the first committed token drawn by verify_sampling follows p, not q."""
+    torch.manual_seed(1)
+    p0 = torch.softmax(torch.randn(V) * 1.5, -1)
+    q0 = torch.softmax(torch.randn(V) * 1.5, -1)
+    n_samples = 20000
+    g = torch.Generator().manual_seed(123)
+    draft = torch.multinomial(q0, n_samples, replacement=True, generator=g)[:, None]  # [N, 1]
+    q = q0.expand(n_samples, 1, V)
+    p = torch.stack([p0, torch.softmax(torch.randn(V), -1)]).expand(n_samples, 2, V)
+    n, nxt = verify_sampling(draft, q, p, g)
+    first = torch.where(n == 1, draft[:, 0], nxt)
+    counts = torch.bincount(first, minlength=V).double()
+    expected = p0.double() * n_samples
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 24.3, chi2  # 7 degrees of freedom: p-value 0.001
+    q_expected = q0.double() * n_samples  # and it is far from the drafter's own distribution
+    assert ((counts - q_expected) ** 2 / q_expected).sum().item() > 100
+    assert math.isclose(n.float().mean().item(), torch.minimum(p0, q0).sum().item(), abs_tol=0.02)
