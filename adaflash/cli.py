@@ -1,0 +1,148 @@
+"""`adaflash` command line: one entry point, one subcommand per job.
+
+  adaflash generate   plain or speculative generation for prompts (text or JSONL), with statistics
+  adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "drafter-smollm2"
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def read_prompts_file(path: Path) -> list[dict]:
+    """JSONL, one object per line: {"prompt": str} or {"messages": [...]}, optional "domain"."""
+    if not path.exists():
+        raise UsageError(f"prompts file {path} does not exist")
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
+            raise UsageError(f"{path}:{n}: each line needs exactly one of \"prompt\" (string) or \"messages\" (list)")
+        if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
+            raise UsageError(f"{path}:{n}: \"prompt\" must be a non-empty string")
+        if "messages" in obj:
+            msgs = obj["messages"]
+            if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                            and isinstance(m.get("content"), str) for m in msgs)):
+                raise UsageError(f"{path}:{n}: \"messages\" must be a non-empty list of {{role, content}} strings")
+        items.append({"messages": obj.get("messages") or obj["prompt"], "domain": obj.get("domain")})
+    if not items:
+        raise UsageError(f"prompts file {path} holds no prompts")
+    return items
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from adaflash.drafter import load_drafter
+    from adaflash.generate import check_length, generate_ar, generate_dflash
+    from adaflash.target import load_target
+
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise UsageError("give exactly one of --prompt TEXT or --prompts-file F.jsonl")
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be >= 1")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be >= 0")
+    items = [{"messages": args.prompt, "domain": None}] if args.prompt is not None else read_prompts_file(Path(args.prompts_file))
+    target = load_target(args.target, args.dtype)
+    drafter = None
+    if args.method == "dflash":
+        drafter = load_drafter(args.drafter, target.model, target.identity)
+    for i, item in enumerate(items):
+        ids = target.encode_chat(item["messages"])
+        try:
+            check_length(target.model, len(ids), args.max_new_tokens, drafter.block_size if drafter else 1)
+        except ValueError as e:
+            raise UsageError(f"prompt {i + 1}: {e}") from None
+        if drafter is None:
+            res = generate_ar(target.model, ids, args.max_new_tokens, target.eos_ids, args.temperature, args.seed)
+        else:
+            res = generate_dflash(target.model, drafter, ids, args.max_new_tokens, target.eos_ids, args.temperature,
+                                  args.seed, verify_len=args.verify_len)
+        text = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({
+                "index": i, "domain": item["domain"], "method": args.method, "output_ids": res.output_ids,
+                "text": text, "tau": round(res.tau, 3), "target_forwards": res.target_forwards,
+                "tokens": len(res.output_ids), "wall_s": round(res.wall_s, 3),
+                "tokens_per_s": round(len(res.output_ids) / res.wall_s, 2),
+                "accept_by_position": [None if a != a else round(a, 3) for a in res.accept_by_position],
+            }), flush=True)
+        else:
+            print(text)
+            print(f"--- {args.method}: {len(res.output_ids)} tokens in {res.wall_s:.2f}s "
+                  f"({len(res.output_ids) / res.wall_s:.1f} tok/s), tau {res.tau:.2f}, "
+                  f"{res.target_forwards} target forwards", file=sys.stderr)
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from adaflash.config import load_config
+    from adaflash.pipelines.pretrain import STAGES, PretrainConfig, run_stages
+
+    cfg = load_config(args.config, PretrainConfig)
+    stages = STAGES if args.stage == "all" else [s.strip() for s in args.stage.split(",")]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        raise UsageError(f"unknown stage(s) {bad}; stages are {', '.join(STAGES)} or all")
+    print(json.dumps(run_stages(cfg, list(stages)), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="adaflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate with plain decoding (ar) or DFlash speculative decoding",
+                       description="Generate answers with the target alone (--method ar) or with the block drafter "
+                                   "(--method dflash). Greedy DFlash output equals ar output token for token.")
+    g.add_argument("--method", choices=["ar", "dflash"], default="dflash")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="one user message (the chat template is applied)")
+    src.add_argument("--prompts-file", help='JSONL: {"prompt": ...} or {"messages": [...]} per line, optional "domain"')
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (still lossless)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--verify-len", type=int, default=None, help="tokens per verification incl. the anchor (default: block size)")
+    g.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
+    g.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter directory (config.json + model.safetensors)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="target dtype; float32 keeps greedy speculative output identical to plain decoding")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("pretrain", help="offline pretraining pipeline of the initial drafter",
+                       description="Stages: prompts, regenerate, train, export, eval. Each resumes where it stopped.")
+    t.add_argument("--config", required=True, help="YAML, e.g. configs/pretrain_smollm2.yaml")
+    t.add_argument("--stage", default="all", help="comma-separated stages or 'all'")
+    t.set_defaults(func=cmd_pretrain)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"adaflash: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"adaflash: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

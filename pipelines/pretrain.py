@@ -1,0 +1,312 @@
+"""Offline pretraining of the initial drafter (DFlash recipe, REFERENCE.md section 2).
+
+Stages, each resumable (`adaflash pretrain --config configs/pretrain_smollm2.yaml [--stage S]`):
+  prompts     build the per-domain train/eval prompt sets (Parquet, deterministic split)
+  regenerate  the target answers the training prompts; answers + target features as shards
+  train       DeepSpeed training: random anchors, block mask, position-decayed cross-entropy;
+              checkpoints every `save_every` steps and resumes from the latest one
+  export      writes the drafter directory (bf16 safetensors + config.json with target identity)
+  eval        tau per domain on the eval split with the exported drafter (greedy, fp32 target)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from adaflash.config import to_dict
+from adaflash.drafter import Drafter, DrafterConfig
+from adaflash.target import Target, load_target
+
+STAGES = ("prompts", "regenerate", "train", "export", "eval")
+
+
+@dataclass
+class TargetSection:
+    source: str = "smollm2"  # "smollm2" (packaged GGUF), a .gguf file, or a local HF directory
+    dtype: str = "float32"  # float32 keeps greedy speculative output identical to plain decoding
+
+
+@dataclass
+class RegenSection:
+    domains: list[str] = field(default_factory=lambda: ["gsm8k", "code", "humaneval"])
+    batch_size: int = 32
+    max_new_tokens: int = 256
+    dtype: str = "bfloat16"  # generation throughput; answers stay the target's own
+    limit_per_domain: int | None = None
+
+
+@dataclass
+class DrafterSection:
+    num_layers: int = 3
+    block_size: int = 16
+
+
+@dataclass
+class TrainSection:
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 24
+    max_steps: int = 3000
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
+    autocast_bf16: bool = True
+    save_every: int = 200
+    time_limit_min: float | None = None  # checkpoint and stop after this long (resume later)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.seqs_per_step < 1 or self.anchors_per_seq < 1 or self.max_steps < 1:
+            raise ValueError("seqs_per_step, anchors_per_seq and max_steps must be >= 1")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+
+
+@dataclass
+class EvalSection:
+    domains: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "aime"])
+    per_domain: int = 16
+    max_new_tokens: int = 128
+
+
+@dataclass
+class PretrainConfig:
+    run_dir: str = "runs/pretrain"
+    drafter_out: str = "models/drafter-smollm2"
+    target: TargetSection = field(default_factory=TargetSection)
+    regen: RegenSection = field(default_factory=RegenSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+
+# --------------------------------------------------------------------------- data
+
+
+class AnswerSet:
+    """The regenerated shards: token ids in memory, features read lazily from safetensors."""
+
+    def __init__(self, answers_dir: Path):
+        from safetensors import safe_open
+
+        self.rows: list[dict] = []
+        self._files = {}
+        for f in sorted(answers_dir.glob("answers-*.parquet")):
+            feat_path = f.with_name(f.name.replace(".parquet", ".features.safetensors"))
+            self._files[f.name] = safe_open(str(feat_path), framework="pt")
+            for r in pq.read_table(f).to_pylist():
+                r["shard"] = f.name
+                if len(r["response_ids"]) >= 2:  # need an anchor with at least one label
+                    self.rows.append(r)
+        if not self.rows:
+            raise FileNotFoundError(f"no regenerated answers in {answers_dir}: run the 'regenerate' stage first")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def example(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """-> (tokens [L], features [L-1, n*H], prompt length)."""
+        r = self.rows[i]
+        tokens = torch.tensor(r["prompt_ids"] + r["response_ids"])
+        n = len(tokens) - 1
+        feats = self._files[r["shard"]].get_slice("features")[r["feat_offset"] : r["feat_offset"] + n]
+        return tokens, feats, len(r["prompt_ids"])
+
+
+def make_batch(data: AnswerSet, indices: list[int], anchors_per_seq: int, rng: random.Random) -> dict:
+    """Right-padded batch with random anchors in each response (anchor a: block [x_a, MASK...])."""
+    ex = [data.example(i) for i in indices]
+    t = max(len(tok) for tok, _, _ in ex)
+    n_feat = ex[0][1].shape[1]
+    tokens = torch.zeros(len(ex), t, dtype=torch.long)
+    feats = torch.zeros(len(ex), t, n_feat, dtype=ex[0][1].dtype)
+    anchors = torch.full((len(ex), anchors_per_seq), -1, dtype=torch.long)
+    lengths = torch.zeros(len(ex), dtype=torch.long)
+    for b, (tok, f, p) in enumerate(ex):
+        tokens[b, : len(tok)] = tok
+        feats[b, : f.shape[0]] = f
+        lengths[b] = len(tok)
+        choices = list(range(p, len(tok) - 1))  # anchors in the response, each with >= 1 label
+        picked = sorted(rng.sample(choices, min(anchors_per_seq, len(choices))))
+        anchors[b, : len(picked)] = torch.tensor(picked)
+    return {"tokens": tokens, "feats": feats, "anchors": anchors, "lengths": lengths}
+
+
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor, k_blk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> labels [B, NB, K-1] (token at anchor + k) and valid mask [B, NB, K-1]."""
+    pos = anchors[:, :, None] + torch.arange(1, k_blk)  # [B, NB, K-1]
+    valid = (anchors[:, :, None] >= 0) & (pos < lengths[:, None, None])
+    labels = torch.gather(tokens, 1, pos.clamp(max=tokens.shape[1] - 1).flatten(1)).view(pos.shape)
+    return labels, valid
+
+
+def dflash_loss(drafter: Drafter, batch: dict, gamma: float) -> tuple[torch.Tensor, dict]:
+    """Position-weighted CE over block positions 1..K-1, normalised by the weights in play."""
+    k_blk = drafter.block_size
+    h = drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])  # [B, NB, K-1, H]
+    labels, valid = block_labels(batch["tokens"], batch["anchors"], batch["lengths"], k_blk)
+    logits = drafter.lm_head(h)  # [B, NB, K-1, V]
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    w = torch.exp(-torch.arange(k_blk - 1, dtype=torch.float32) / gamma) * valid  # [B, NB, K-1]
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid
+        acc_pos = correct.sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)
+        # drafts a greedy verifier would accept: length of the correct prefix of each block
+        acc_len = correct.long().cumprod(-1).sum(-1).float()[batch["anchors"] >= 0].mean()
+    return loss, {"acc_pos1": float(acc_pos[0]), "acc_len": float(acc_len)}
+
+
+# --------------------------------------------------------------------------- deepspeed
+
+
+def init_distributed() -> None:
+    """Single-process DeepSpeed on CPU (gloo) unless a launcher already set the rank variables."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def ds_config(tc: TrainSection) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": tc.seqs_per_step,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": tc.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "torch_adam": True}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": tc.max_steps, "warmup_num_steps": max(1, int(tc.warmup_frac * tc.max_steps)),
+            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.05}},
+        "steps_per_print": 10**9,
+    }
+
+
+def save_checkpoint(engine, ckpt: Path, step: int) -> None:
+    """DeepSpeed state (optimizer, scheduler, for resuming) plus the weights as safetensors (for export)."""
+    from safetensors.torch import save_file
+
+    tag = f"step{step}"
+    engine.save_checkpoint(str(ckpt), tag=tag)
+    state = {k: v.detach().contiguous() for k, v in engine.module.state_dict().items()}
+    save_file(state, str(ckpt / tag / "drafter.safetensors"))
+
+
+def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
+    import deepspeed
+
+    tc = cfg.train
+    data = AnswerSet(run_dir / "answers")
+    dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size)
+    torch.manual_seed(tc.seed)
+    drafter = Drafter(dcfg, target.model)
+    init_distributed()
+    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=drafter.parameters(), config=ds_config(tc))
+    ckpt = run_dir / "checkpoints"
+    if (ckpt / "latest").exists():
+        engine.load_checkpoint(str(ckpt))
+    step = engine.global_steps
+    log_path = run_dir / "train_log.jsonl"
+    per_epoch = max(1, len(data) // tc.seqs_per_step)
+    t0, started = time.perf_counter(), step
+    bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step")
+    while step < tc.max_steps:
+        epoch, idx = divmod(step, per_epoch)
+        order = list(range(len(data)))
+        random.Random(tc.seed * 1_000_003 + epoch).shuffle(order)  # same order after a resume
+        rng = random.Random(tc.seed * 7919 + step)
+        batch = make_batch(data, order[idx * tc.seqs_per_step : (idx + 1) * tc.seqs_per_step], tc.anchors_per_seq, rng)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.autocast_bf16 and not torch.cuda.is_available()):
+            loss, metrics = dflash_loss(engine.module, batch, tc.gamma)
+        engine.backward(loss)
+        engine.step()
+        step = engine.global_steps
+        rec = {"step": step, "epoch": epoch, "loss": round(float(loss), 4), "lr": engine.get_lr()[0], **metrics}
+        with open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{metrics['acc_pos1']:.2f}", acc_len=f"{metrics['acc_len']:.2f}")
+        timed_out = tc.time_limit_min is not None and time.perf_counter() - t0 > 60 * tc.time_limit_min
+        if step % tc.save_every == 0 or step == tc.max_steps or timed_out:
+            save_checkpoint(engine, ckpt, step)
+        if timed_out:
+            print(f"[adaflash] time limit reached at step {step}; rerun the same command to resume")
+            break
+    bar.close()
+    return {"steps": step, "steps_this_run": step - started, "seconds_this_run": round(time.perf_counter() - t0, 1),
+            "sequences": len(data), "done": step >= tc.max_steps}
+
+
+def export(cfg: PretrainConfig, target: Target, run_dir: Path) -> Path:
+    """Latest DeepSpeed checkpoint -> drafter directory (bf16 safetensors + config.json)."""
+    ckpt = run_dir / "checkpoints"
+    if not (ckpt / "latest").exists():
+        raise FileNotFoundError(f"no checkpoint in {ckpt}: run the 'train' stage first")
+    tag = (ckpt / "latest").read_text().strip()
+    from safetensors.torch import load_file
+
+    state = load_file(str(ckpt / tag / "drafter.safetensors"))
+    dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size)
+    drafter = Drafter(dcfg, target.model)
+    drafter.load_state_dict(state)
+    log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    extra = {"training": {"recipe": "dflash-offline", "checkpoint": tag, "steps": log[-1]["step"] if log else 0,
+                          "config": to_dict(cfg.train), "sequences": len(AnswerSet(run_dir / "answers"))}}
+    return drafter.save(Path(cfg.drafter_out), extra=extra)
+
+
+def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
+    """Run the named stages in pipeline order; each stage resumes where it stopped."""
+    from adaflash.drafter import load_drafter
+    from adaflash.pipelines.evaluate import evaluate, write_report
+    from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
+
+    run_dir = Path(cfg.run_dir)
+    prompts_dir = run_dir / "prompts"
+    timings, summary = {}, {}
+    for stage in [s for s in STAGES if s in stages]:
+        t0 = time.perf_counter()
+        print(f"[adaflash] stage {stage}", flush=True)
+        if stage == "prompts":
+            build_prompt_sets(prompts_dir)
+        elif stage in ("regenerate", "train", "export"):
+            dtype = cfg.regen.dtype if stage == "regenerate" else "float32"
+            target = load_target(cfg.target.source, dtype)
+            if stage == "regenerate":
+                from adaflash.pipelines.regenerate import regenerate
+
+                records = read_prompts(prompts_dir / "train.parquet", cfg.regen.domains, cfg.regen.limit_per_domain)
+                summary[stage] = regenerate(target, records, run_dir / "answers", cfg.regen.batch_size, cfg.regen.max_new_tokens)
+            elif stage == "train":
+                summary[stage] = train(cfg, target, run_dir)
+            else:
+                summary[stage] = str(export(cfg, target, run_dir))
+        elif stage == "eval":
+            target = load_target(cfg.target.source, cfg.target.dtype)
+            drafter = load_drafter(cfg.drafter_out, target.model, target.identity)
+            records = read_prompts(prompts_dir / "eval.parquet", cfg.eval.domains, cfg.eval.per_domain)
+            report = evaluate(target, drafter, records, cfg.eval.max_new_tokens)
+            write_report(report, Path(cfg.drafter_out))
+            summary[stage] = {d: {"tau": round(r["tau"], 2), "speedup": round(r["speedup"], 2)} for d, r in report["domains"].items()}
+        timings[stage] = round(time.perf_counter() - t0, 1)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "stages.jsonl", "a") as f:
+        f.write(json.dumps({"stages": timings, "summary": summary, "time": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    return {"seconds": timings, **summary}

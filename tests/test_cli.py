@@ -1,0 +1,78 @@
+"""`adaflash generate`: JSON output fields, lossless greedy across methods, clear input errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from adaflash.cli import main
+from adaflash.drafter import Drafter, DrafterConfig
+from adaflash.target import load_target
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter_dir(tmp_path_factory, tiny_hf_dir):
+    t = load_target(str(tiny_hf_dir), "float32")
+    torch.manual_seed(0)
+    d = Drafter(DrafterConfig.for_target(t.model, t.identity, num_layers=1, block_size=4), t.model)
+    return d.save(tmp_path_factory.mktemp("drafter"), dtype=torch.float32)
+
+
+def run(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_both_methods_agree(tiny_hf_dir, tiny_drafter_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2+3?", "domain": "math"}) + "\n\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "Say hi."}]}) + "\n")
+    common = ["generate", "--prompts-file", str(prompts), "--target", str(tiny_hf_dir), "--drafter",
+              str(tiny_drafter_dir), "--max-new-tokens", "12", "--json"]
+    code, ar_out, _ = run(common + ["--method", "ar"], capsys)
+    assert code == 0
+    code, sd_out, _ = run(common + ["--method", "dflash"], capsys)
+    assert code == 0
+    ar_rows = [json.loads(x) for x in ar_out.splitlines()]
+    sd_rows = [json.loads(x) for x in sd_out.splitlines()]
+    assert len(ar_rows) == len(sd_rows) == 2
+    for a, s in zip(ar_rows, sd_rows):
+        assert a["output_ids"] == s["output_ids"]
+        for key in ("output_ids", "text", "tau", "target_forwards", "wall_s"):
+            assert key in s
+    assert ar_rows[0]["domain"] == "math" and ar_rows[0]["target_forwards"] == len(ar_rows[0]["output_ids"])
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "hi"\n', "not valid JSON"),
+    ('{"text": "hi"}\n', "exactly one of"),
+    ('{"messages": []}\n', "non-empty list"),
+    ('{"prompt": ""}\n', "non-empty string"),
+    ("\n", "holds no prompts"),
+])
+def test_bad_prompts_file(tmp_path, tiny_hf_dir, capsys, content, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    code, _, err = run(["generate", "--prompts-file", str(f), "--target", str(tiny_hf_dir)], capsys)
+    assert code == 2 and message in err
+
+
+def test_missing_file_and_too_long_prompt(tmp_path, tiny_hf_dir, tiny_drafter_dir, capsys):
+    code, _, err = run(["generate", "--prompts-file", str(tmp_path / "none.jsonl")], capsys)
+    assert code == 2 and "does not exist" in err
+    code, _, err = run(["generate", "--prompt", "word " * 9000, "--target", str(tiny_hf_dir), "--method", "ar"], capsys)
+    assert code == 2 and "exceeds the target's context" in err
+    code, _, err = run(["generate", "--prompt", "hi", "--max-new-tokens", "0"], capsys)
+    assert code == 2 and "--max-new-tokens" in err
+    code, _, err = run(["generate", "--prompt", "hi", "--target", str(tiny_hf_dir), "--drafter", str(tmp_path)], capsys)
+    assert code == 1 and "not a drafter directory" in err
+
+
+def test_help_runs():
+    out = subprocess.run([sys.executable, "-m", "adaflash.cli", "generate", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--prompts-file" in out.stdout
