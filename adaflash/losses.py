@@ -1,0 +1,182 @@
+"""Training losses for the drafter: on-policy distillation (OPD), the OSD baseline and the length head.
+
+All functions are pure functions over tensors. Shapes use N = blocks (rows of a batch), K = drafted
+positions per block, V = vocabulary size, R = flattened rows (N * K or the valid subset of them).
+
+The vocabulary softmax is always computed in fp32 (bf16 / fp16 inputs are upcast row-wise), and the
+target side never receives gradients. ``opd_row_terms`` is the single per-row computation that the
+fused Triton kernel in ``adaflash.kernels.opd`` replaces one-for-one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CLIP_MODES = ("vocab", "token")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def position_weights(block_len: int, gamma: float = 7.0, device=None) -> Tensor:
+    """Per-position weights w_k = exp(-(k-1)/gamma), k = 1..block_len.  -> [K] fp32."""
+    if block_len < 0:
+        raise ValueError(f"block_len must be >= 0, got {block_len}")
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    k = torch.arange(block_len, dtype=torch.float32, device=device)  # k-1 = 0..K-1
+    return torch.exp(-k / gamma)
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """fp16/bf16 -> fp32 for the vocabulary softmax; fp32/fp64 are kept as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _check_clip(clip: float | None, clip_mode: str) -> None:
+    if clip_mode not in CLIP_MODES:
+        raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
+    if clip is not None and not math.isfinite(float(clip)):
+        raise ValueError(f"clip must be a finite float or None, got {clip}")
+
+
+def opd_row_terms(
+    draft_logits: Tensor,  # [R, V], any float dtype, requires grad
+    target_logits: Tensor,  # [R, V], any float dtype, detached here
+    temperature: float = 1.0,
+    clip: float | None = 1.0,
+    clip_mode: str = "vocab",
+) -> tuple[Tensor, Tensor]:
+    """Per-row OPD terms in plain PyTorch.  -> (hard [R] fp32, rkl [R] fp32).
+
+    Computed in fp32 (fp64 inputs stay fp64).
+    hard: cross-entropy (temperature 1) of the draft against the target's argmax token.
+    rkl:  sum_v p_d(v) (log p_d(v) - log p_t(v)) with p = softmax(logits / temperature);
+          clip_mode "vocab" clamps every vocabulary term to <= clip before the sum,
+          "token" clamps the row sum; clip=None disables clipping.
+    """
+    _check_clip(clip, clip_mode)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    zd = _upcast(draft_logits)  # [R, V]
+    zt = _upcast(target_logits.detach())  # [R, V]
+
+    top1 = zt.argmax(dim=-1, keepdim=True)  # [R, 1]; first index on ties
+    hard = torch.logsumexp(zd, dim=-1) - zd.gather(-1, top1).squeeze(-1)  # [R]
+
+    if temperature != 1.0:
+        zd = zd / temperature
+        zt = zt / temperature
+    logp_d = F.log_softmax(zd, dim=-1)  # [R, V]
+    logp_t = F.log_softmax(zt, dim=-1)  # [R, V]
+    terms = logp_d.exp() * (logp_d - logp_t)  # [R, V]
+    if clip is not None and clip_mode == "vocab":
+        terms = terms.clamp(max=clip)
+    rkl = terms.sum(dim=-1)  # [R]
+    if clip is not None and clip_mode == "token":
+        rkl = rkl.clamp(max=clip)
+    return hard, rkl
+
+
+def _flatten_valid(
+    draft_logits: Tensor, target_logits: Tensor, valid: Tensor | None, gamma: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """[N, K, V] -> rows [R, V] of the valid positions plus their weights [R] (w_k)."""
+    if draft_logits.dim() != 3 or draft_logits.shape != target_logits.shape:
+        raise ValueError(
+            f"expected draft/target logits [N, K, V] of equal shape, got "
+            f"{tuple(draft_logits.shape)} and {tuple(target_logits.shape)}"
+        )
+    n, k, v = draft_logits.shape
+    w = position_weights(k, gamma, device=draft_logits.device)  # [K]
+    if draft_logits.dtype == torch.float64:
+        w = torch.exp(-torch.arange(k, dtype=torch.float64, device=draft_logits.device) / gamma)
+    if valid is None:
+        valid = torch.ones(n, k, dtype=torch.bool, device=draft_logits.device)
+    if valid.shape != (n, k):
+        raise ValueError(f"valid must be [N, K] = {(n, k)}, got {tuple(valid.shape)}")
+    valid = valid.to(device=draft_logits.device, dtype=torch.bool)
+    d = draft_logits.reshape(n * k, v)  # [N*K, V]
+    t = target_logits.reshape(n * k, v)
+    wk = w.expand(n, k).reshape(n * k)  # [N*K]
+    if not bool(valid.all()):
+        idx = valid.reshape(-1).nonzero().squeeze(-1)  # [R]
+        d, t, wk = d.index_select(0, idx), t.index_select(0, idx), wk.index_select(0, idx)
+    return d, t, wk
+
+
+def _weighted_mean(x: Tensor, w: Tensor, ref: Tensor) -> Tensor:
+    """sum(w * x) / sum(w); 0 (still attached to ``ref``'s graph) when there are no rows."""
+    if x.numel() == 0:
+        return ref.sum() * 0.0
+    return (w * x).sum() / w.sum()
+
+
+def opd_loss(
+    draft_logits: Tensor,  # [N, K, V]
+    target_logits: Tensor,  # [N, K, V]
+    valid: Tensor | None,  # [N, K] bool (None = all valid)
+    alpha: float = 0.8,
+    temperature: float = 1.0,
+    clip: float | None = 1.0,
+    clip_mode: str = "vocab",
+    gamma: float = 7.0,
+    backend: str = "auto",
+) -> dict[str, Tensor]:
+    """On-policy distillation loss = alpha * hard + (1 - alpha) * rkl, both position weighted.
+
+    Returns {"loss": scalar with grad, "hard": detached scalar, "rkl": detached scalar}.
+    backend: "torch" (``opd_row_terms``), "triton" (fused kernel) or "auto" (Triton when usable).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_clip(clip, clip_mode)
+    d, t, w = _flatten_valid(draft_logits, target_logits, valid, gamma)  # [R, V], [R, V], [R]
+    if backend == "torch":
+        hard_r, rkl_r = opd_row_terms(d, t, temperature, clip, clip_mode)
+    else:
+        from adaflash.kernels.opd import opd_terms  # lazy: keeps triton out of plain imports
+
+        hard_r, rkl_r = opd_terms(d, t, temperature, clip, clip_mode, backend=backend)
+    hard = _weighted_mean(hard_r, w, draft_logits)
+    rkl = _weighted_mean(rkl_r, w, draft_logits)
+    loss = alpha * hard + (1.0 - alpha) * rkl
+    return {"loss": loss, "hard": hard.detach(), "rkl": rkl.detach()}
+
+
+def osd_loss(
+    draft_logits: Tensor,  # [N, K, V]
+    target_logits: Tensor,  # [N, K, V]
+    valid: Tensor | None,  # [N, K] bool
+    temperature: float = 1.0,
+    gamma: float = 7.0,
+) -> dict[str, Tensor]:
+    """OSD baseline: position-weighted forward KL(p_t || p_d) at temperature T, no clipping.
+
+    Returns {"loss": scalar with grad, "fkl": detached scalar}.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    d, t, w = _flatten_valid(draft_logits, target_logits, valid, gamma)
+    logp_d = F.log_softmax(_upcast(d) / temperature, dim=-1)  # [R, V]
+    logp_t = F.log_softmax(_upcast(t.detach()) / temperature, dim=-1)  # [R, V]
+    fkl_r = (logp_t.exp() * (logp_t - logp_d)).sum(dim=-1)  # [R]
+    fkl = _weighted_mean(fkl_r, w, draft_logits)
+    return {"loss": fkl, "fkl": fkl.detach()}
+
+
+def length_head_loss(pred: Tensor, accepted: Tensor, block_size: int) -> Tensor:
+    """MSE of the predicted acceptance rate pred [N] in (0, 1) against clamp((accepted+1)/block_size, 0, 1)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    label = ((accepted.float() + 1.0) / block_size).clamp(0.0, 1.0).to(pred.device)  # [N]
+    return F.mse_loss(pred.float(), label)
+
+
+def accepted_length(draft: Tensor, target: Tensor) -> Tensor:
+    """Length of the accepted prefix per row: sum(cumprod(draft == target)).  [N, K] x2 -> [N] int64."""
+    if draft.shape != target.shape:
+        raise ValueError(f"draft and target must have the same shape, got {tuple(draft.shape)} and {tuple(target.shape)}")
+    return (draft == target).long().cumprod(dim=-1).sum(dim=-1)
