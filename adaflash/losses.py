@@ -167,12 +167,17 @@ def osd_loss(
     return {"loss": fkl, "fkl": fkl.detach()}
 
 
-def length_head_loss(pred: Tensor, accepted: Tensor, block_size: int) -> Tensor:
-    """MSE of the predicted acceptance rate pred [N] in (0, 1) against clamp((accepted+1)/block_size, 0, 1)."""
+def acceptance_label(accepted: Tensor, block_size: int) -> Tensor:
+    """Acceptance-rate label of a block, free from verification: clamp((accepted + 1) / block_size, 0, 1).
+    The +1 counts the token the target always contributes (its correction or bonus).  [N] int -> [N] fp32."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
-    label = ((accepted.float() + 1.0) / block_size).clamp(0.0, 1.0).to(pred.device)  # [N]
-    return F.mse_loss(pred.float(), label)
+    return ((accepted.float() + 1.0) / block_size).clamp(0.0, 1.0)
+
+
+def length_head_loss(pred: Tensor, accepted: Tensor, block_size: int) -> Tensor:
+    """MSE of the predicted acceptance rate pred [N] in (0, 1) against `acceptance_label`."""
+    return F.mse_loss(pred.float(), acceptance_label(accepted, block_size).to(pred.device))
 
 
 def accepted_length(draft: Tensor, target: Tensor) -> Tensor:
