@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaflash.layers import MLP, Attention, RMSNorm, Rotary
+from adaflash.layers import DecoderLayer, RMSNorm, Rotary
 from adaflash.target import KVCache, TargetModel
 
 WEIGHTS = "model.safetensors"
@@ -68,15 +68,6 @@ class DrafterConfig:
         )
 
 
-class DrafterLayer(nn.Module):
-    def __init__(self, c: DrafterConfig):
-        super().__init__()
-        self.self_attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qk_norm, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
 class Drafter(nn.Module):
     def __init__(self, config: DrafterConfig, target: TargetModel):
         super().__init__()
@@ -84,7 +75,11 @@ class Drafter(nn.Module):
         n_feat = len(config.target_layer_ids)
         self.fc = nn.Linear(n_feat * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        c = config
+        self.layers = nn.ModuleList(
+            DecoderLayer(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qk_norm, c.rms_norm_eps)
+            for _ in range(c.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(config.hidden_size) * 0.02)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
@@ -126,17 +121,12 @@ class Drafter(nn.Module):
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool)
         ctx = self.fuse(feats)  # [B, T, H]
-        start = cache.length
-        cache.reserve(t)
-        positions = (cache.next_pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
+        start, positions = cache.append(valid)  # positions: [B, T]
         cos, sin = self.rotary(positions, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
             cache.k[i][:, :, start : start + t] = k
             cache.v[i][:, :, start : start + t] = v
-        cache.valid[:, start : start + t] = valid
-        cache.next_pos += valid.sum(1)
-        cache.length = start + t
 
     @torch.no_grad()
     def draft(self, cache: KVCache, last_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

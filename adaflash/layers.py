@@ -87,6 +87,10 @@ class Attention(nn.Module):
         return apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)  # [B, Hkv, T, D] each
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention + output projection -> [B, T, hidden]."""
+        return self.o_proj(self.attend_heads(q, k, v, mask))
+
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: bool [B or 1, 1, T, S], True = may attend.
 
         Plain matmul attention: on CPU it beats SDPA's flash kernel several times for the short query
@@ -99,4 +103,15 @@ class Attention(nn.Module):
             scores = scores.view(b, self.n_kv_heads, rep, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
             scores = scores.view(b, self.n_kv_heads, rep * t, -1)
         out = scores.softmax(-1).to(v.dtype) @ v  # [B, Hkv, rep*T, D]
-        return self.o_proj(out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d))
+        return out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D], before o_proj
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP; the target and the drafter both stack these."""
+
+    def __init__(self, hidden: int, intermediate: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool, eps: float):
+        super().__init__()
+        self.self_attn = Attention(hidden, n_heads, n_kv_heads, head_dim, qk_norm, eps)
+        self.mlp = MLP(hidden, intermediate)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)

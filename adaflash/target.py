@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaflash.layers import MLP, Attention, RMSNorm, Rotary
+from adaflash.layers import DecoderLayer, RMSNorm, Rotary
 
 
 @dataclass
@@ -37,7 +37,8 @@ class TargetConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "TargetConfig":
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        by_type = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        arch = (cfg.get("architectures") or [by_type.get(cfg.get("model_type"), "LlamaForCausalLM")])[0]
         if arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
             raise ValueError(f"unsupported target architecture {arch!r}: expected a Llama/Qwen3-style decoder")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4 spelling
@@ -100,6 +101,17 @@ class KVCache:
         self.v = [grow(t) for t in self.v]
         self.valid = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], new - self.capacity)], dim=1)
 
+    def append(self, valid: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Claim slots for T new tokens (valid [B, T], False = padding); -> (first slot, RoPE positions [B, T])."""
+        b, t = valid.shape
+        start = self.length
+        self.reserve(t)
+        positions = (self.next_pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)
+        self.valid[:, start : start + t] = valid
+        self.next_pos += valid.sum(1)
+        self.length = start + t
+        return start, positions
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (finished requests leave the batch)."""
         self.k = [t[rows] for t in self.k]
@@ -114,20 +126,14 @@ class KVCache:
         self.length = length
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: TargetConfig):
-        super().__init__()
-        self.self_attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qk_norm, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
 class Backbone(nn.Module):
     def __init__(self, c: TargetConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.qk_norm, c.rms_norm_eps)
+            for _ in range(c.num_layers)
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -162,13 +168,8 @@ class TargetModel(nn.Module):
         b, t = input_ids.shape
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool)
-        start = cache.length
-        cache.reserve(t)
-        positions = cache.next_pos[:, None] + valid.long().cumsum(1) - 1  # [B, T]
-        positions = positions.clamp(min=0)
-        cache.valid[:, start : start + t] = valid
-        cache.next_pos += valid.sum(1)
-        cache.length = end = start + t
+        start, positions = cache.append(valid)  # positions: [B, T]
+        end = start + t
         # Query slot i (absolute start+i) sees valid key slots <= itself, and always itself (keeps pad rows finite).
         slots = torch.arange(end)
         qslots = torch.arange(start, end)
@@ -193,6 +194,49 @@ class TargetModel(nn.Module):
         h = self.model.norm(x[:, -1:] if logits_last_only else x)
         logits = self.lm_head(h).float()
         return logits, torch.cat(feats, dim=-1)
+
+
+    @torch.no_grad()
+    def forward_packed(self, tokens: list[torch.Tensor], caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Ragged batch: request i appends tokens[i] ([L_i], any L_i) to its own batch-1 cache.
+
+        The linear layers run once over all sum(L_i) tokens packed together (no padding to the
+        longest); attention runs per request against its own cache with a causal mask.
+        Returns per request (logits [L_i, V] fp32, features [L_i, n*H])."""
+        lens = [int(t.numel()) for t in tokens]
+        bounds = [0]
+        for n in lens:
+            bounds.append(bounds[-1] + n)
+        slots, pos = [], []
+        for cache, n in zip(caches, lens):
+            start, p = cache.append(torch.ones(1, n, dtype=torch.bool))
+            slots.append(start)
+            pos.append(p)
+        cos, sin = self.rotary(torch.cat(pos, dim=1), self.dtype)  # [1, 1, N, D]
+        masks = []
+        for cache, start, n in zip(caches, slots, lens):
+            keys = torch.arange(start + n)
+            masks.append((cache.valid[:, None, : start + n] & (keys[None, :] <= torch.arange(start, start + n)[:, None]))[:, None])
+        x = self.model.embed_tokens(torch.cat(tokens)[None])  # [1, N, H]
+        feats = []
+        for li, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.project_q(h, cos, sin)  # [1, Hq, N, D]
+            k, v = attn.project_kv(h, cos, sin)  # [1, Hkv, N, D]
+            outs = []
+            for i, (cache, start, n) in enumerate(zip(caches, slots, lens)):
+                a, b = bounds[i], bounds[i + 1]
+                cache.k[li][:, :, start : start + n] = k[:, :, a:b]
+                cache.v[li][:, :, start : start + n] = v[:, :, a:b]
+                outs.append(attn.attend_heads(q[:, :, a:b], cache.k[li][:, :, : start + n], cache.v[li][:, :, : start + n], masks[i]))
+            x = x + attn.o_proj(torch.cat(outs, dim=1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if li in self.feature_layers:
+                feats.append(x)
+        logits = self.lm_head(self.model.norm(x)).float()[0]  # [N, V]
+        feats = torch.cat(feats, dim=-1)[0]  # [N, n*H]
+        return [logits[a:b] for a, b in zip(bounds, bounds[1:])], [feats[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 @dataclass
