@@ -1,8 +1,8 @@
 """Single-request evaluation: plain decoding vs DFlash, side by side on the same prompts.
 
-For every prompt both methods run back to back (interleaved, so machine noise hits both alike);
-greedy outputs are checked token for token. Reports tau, acceptance by block position and the
-wall-clock speedup per domain.
+For every prompt plain decoding and each DFlash variant (verify length) run back to back
+(interleaved, so machine noise hits all alike); greedy outputs are checked token for token.
+Reports tau, acceptance by block position and the wall-clock speedup per domain.
 """
 
 from __future__ import annotations
@@ -18,49 +18,59 @@ from adaflash.generate import generate_ar, generate_dflash
 from adaflash.target import Target
 
 
-def evaluate(target: Target, drafter: Drafter, records: list, max_new_tokens: int, verify_len: int | None = None) -> dict:
-    per_domain: dict[str, list] = {}
+def evaluate(target: Target, drafter: Drafter, records: list, max_new_tokens: int, verify_lens: list[int]) -> dict:
+    """-> {"domains": {domain: {"ar_tokens_per_s", "variants": {"dflash-v16": {...}, ...}}}}."""
+    runs: dict[str, list] = {}
     for rec in tqdm(records, desc="eval", unit="prompt"):
         ids = target.encode_chat(rec.messages)
         ar = generate_ar(target.model, ids, max_new_tokens, target.eos_ids)
-        sd = generate_dflash(target.model, drafter, ids, max_new_tokens, target.eos_ids, verify_len=verify_len)
-        per_domain.setdefault(rec.domain, []).append((rec.prompt_id, ar, sd))
-    report = {"max_new_tokens": max_new_tokens, "domains": {}}
-    for domain, runs in per_domain.items():
-        ar_tok = sum(len(a.output_ids) for _, a, _ in runs)
-        sd_tok = sum(len(s.output_ids) for _, _, s in runs)
-        ar_s = sum(a.wall_s for _, a, _ in runs)
-        sd_s = sum(s.wall_s for _, _, s in runs)
-        drafted = [sum(s.drafted_at[j] for _, _, s in runs) for j in range(drafter.block_size - 1)]
-        accepted = [sum(s.accepted_at[j] for _, _, s in runs) for j in range(drafter.block_size - 1)]
-        report["domains"][domain] = {
-            "prompts": len(runs),
-            "identical_greedy": sum(a.output_ids == s.output_ids for _, a, s in runs),
-            "tau": sum(s.committed for _, _, s in runs) / max(1, sum(s.rounds for _, _, s in runs)),
-            "tau_median_prompt": statistics.median(s.tau for _, _, s in runs),
-            "ar_tokens_per_s": ar_tok / ar_s,
-            "dflash_tokens_per_s": sd_tok / sd_s,
-            "speedup": (sd_tok / sd_s) / (ar_tok / ar_s),
-            "accept_by_position": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted)],
-            "mismatched_prompts": [pid for pid, a, s in runs if a.output_ids != s.output_ids],
-        }
+        sds = {v: generate_dflash(target.model, drafter, ids, max_new_tokens, target.eos_ids, verify_len=v) for v in verify_lens}
+        runs.setdefault(rec.domain, []).append((rec.prompt_id, ar, sds))
+    report = {"max_new_tokens": max_new_tokens, "verify_lens": verify_lens, "domains": {}}
+    k = drafter.block_size - 1
+    for domain, rows in runs.items():
+        ar_tps = sum(len(a.output_ids) for _, a, _ in rows) / sum(a.wall_s for _, a, _ in rows)
+        variants = {}
+        for v in verify_lens:
+            sd = [s[v] for _, _, s in rows]
+            tps = sum(len(s.output_ids) for s in sd) / sum(s.wall_s for s in sd)
+            drafted = [sum(s.drafted_at[j] for s in sd) for j in range(k)]
+            accepted = [sum(s.accepted_at[j] for s in sd) for j in range(k)]
+            variants[f"dflash-v{v}"] = {
+                "verify_len": v,
+                "identical_greedy": sum(a.output_ids == s[v].output_ids for _, a, s in rows),
+                "tau": sum(s.committed for s in sd) / max(1, sum(s.rounds for s in sd)),
+                "tau_median_prompt": statistics.median(s.tau for s in sd),
+                "tokens_per_s": tps,
+                "speedup": tps / ar_tps,
+                "accept_by_position": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted)],
+                "mismatched_prompts": [pid for pid, a, s in rows if a.output_ids != s[v].output_ids],
+            }
+        report["domains"][domain] = {"prompts": len(rows), "tokens": sum(len(a.output_ids) for _, a, _ in rows),
+                                     "ar_tokens_per_s": ar_tps, "variants": variants}
     return report
 
 
 def markdown(report: dict) -> str:
-    lines = ["| domain | prompts | identical greedy | tau | AR tok/s | DFlash tok/s | speedup |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| domain | prompts | method | identical greedy | tau | tok/s | speedup vs AR |", "|---|---|---|---|---|---|---|"]
     for d, r in report["domains"].items():
-        lines.append(f"| {d} | {r['prompts']} | {r['identical_greedy']}/{r['prompts']} | {r['tau']:.2f} | "
-                     f"{r['ar_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
-    lines += ["", "Acceptance rate by block position (1 = first drafted token):", "",
+        lines.append(f"| {d} | {r['prompts']} | ar | - | 1.00 | {r['ar_tokens_per_s']:.1f} | 1.00x |")
+        for name, v in r["variants"].items():
+            lines.append(f"| {d} | {r['prompts']} | {name} | {v['identical_greedy']}/{r['prompts']} | {v['tau']:.2f} | "
+                         f"{v['tokens_per_s']:.1f} | {v['speedup']:.2f}x |")
+    first = f"dflash-v{report['verify_lens'][0]}"
+    lines += ["", f"Acceptance rate by block position ({first}; 1 = first drafted token):", "",
               "| domain | " + " | ".join(str(j + 1) for j in range(15)) + " |", "|---" * 16 + "|"]
     for d, r in report["domains"].items():
-        lines.append(f"| {d} | " + " | ".join(f"{x:.2f}" if x is not None else "-" for x in r["accept_by_position"]) + " |")
+        acc = r["variants"][first]["accept_by_position"]
+        lines.append(f"| {d} | " + " | ".join(f"{x:.2f}" if x is not None else "-" for x in acc) + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_report(report: dict, out_dir: Path) -> None:
+    from adaflash.pipelines.plots import plot_acceptance
+
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / "eval.md").write_text(markdown(report))
+    plot_acceptance(report, out_dir / "accept_by_position.png")

@@ -64,6 +64,7 @@ class TrainSection:
     gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
     autocast_bf16: bool = True
     save_every: int = 200
+    log_every: int = 20  # steps between accuracy metrics (an argmax over the vocabulary)
     time_limit_min: float | None = None  # checkpoint and stop after this long (resume later)
     seed: int = 0
 
@@ -79,6 +80,7 @@ class EvalSection:
     domains: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "aime"])
     per_domain: int = 16
     max_new_tokens: int = 128
+    verify_lens: list[int] = field(default_factory=lambda: [16])  # tokens verified per round, anchor included
 
 
 @dataclass
@@ -152,8 +154,9 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Ten
     return labels, valid
 
 
-def dflash_loss(drafter: Drafter, batch: dict, gamma: float) -> tuple[torch.Tensor, dict]:
-    """Position-weighted CE over block positions 1..K-1, normalised by the weights in play."""
+def dflash_loss(drafter: Drafter, batch: dict, gamma: float, metrics: bool = True) -> tuple[torch.Tensor, dict]:
+    """Position-weighted CE over block positions 1..K-1, normalised by the weights in play.
+    `metrics` adds accuracy at position 1 and the greedy accepted length (an argmax over V: costly)."""
     k_blk = drafter.block_size
     h = drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])  # [B, NB, K-1, H]
     labels, valid = block_labels(batch["tokens"], batch["anchors"], batch["lengths"], k_blk)
@@ -161,6 +164,8 @@ def dflash_loss(drafter: Drafter, batch: dict, gamma: float) -> tuple[torch.Tens
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
     w = torch.exp(-torch.arange(k_blk - 1, dtype=torch.float32) / gamma) * valid  # [B, NB, K-1]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    if not metrics:
+        return loss, {}
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
         acc_pos = correct.sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)
@@ -234,15 +239,16 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
         rng = random.Random(tc.seed * 7919 + step)
         batch = make_batch(data, order[idx * tc.seqs_per_step : (idx + 1) * tc.seqs_per_step], tc.anchors_per_seq, rng)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.autocast_bf16 and not torch.cuda.is_available()):
-            loss, metrics = dflash_loss(engine.module, batch, tc.gamma)
+            loss, metrics = dflash_loss(engine.module, batch, tc.gamma, metrics=step % tc.log_every == 0)
         engine.backward(loss)
         engine.step()
         step = engine.global_steps
-        rec = {"step": step, "epoch": epoch, "loss": round(float(loss), 4), "lr": engine.get_lr()[0], **metrics}
+        rec = {"step": step, "epoch": epoch, "loss": round(loss.detach().item(), 4), "lr": engine.get_lr()[0], **metrics}
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         bar.update(1)
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{metrics['acc_pos1']:.2f}", acc_len=f"{metrics['acc_len']:.2f}")
+        if metrics:
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{metrics['acc_pos1']:.2f}", acc_len=f"{metrics['acc_len']:.2f}")
         timed_out = tc.time_limit_min is not None and time.perf_counter() - t0 > 60 * tc.time_limit_min
         if step % tc.save_every == 0 or step == tc.max_steps or timed_out:
             save_checkpoint(engine, ckpt, step)
@@ -250,6 +256,9 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
             print(f"[adaflash] time limit reached at step {step}; rerun the same command to resume")
             break
     bar.close()
+    from adaflash.pipelines.plots import plot_training
+
+    plot_training(log_path, run_dir / "training.png")
     return {"steps": step, "steps_this_run": step - started, "seconds_this_run": round(time.perf_counter() - t0, 1),
             "sequences": len(data), "done": step >= tc.max_steps}
 
@@ -287,7 +296,8 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
         if stage == "prompts":
             build_prompt_sets(prompts_dir)
         elif stage in ("regenerate", "train", "export"):
-            dtype = cfg.regen.dtype if stage == "regenerate" else "float32"
+            # the frozen target weights the drafter shares: bf16 for regeneration and autocast training
+            dtype = {"regenerate": cfg.regen.dtype, "train": "bfloat16" if cfg.train.autocast_bf16 else "float32"}.get(stage, "float32")
             target = load_target(cfg.target.source, dtype)
             if stage == "regenerate":
                 from adaflash.pipelines.regenerate import regenerate
@@ -302,9 +312,10 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
             target = load_target(cfg.target.source, cfg.target.dtype)
             drafter = load_drafter(cfg.drafter_out, target.model, target.identity)
             records = read_prompts(prompts_dir / "eval.parquet", cfg.eval.domains, cfg.eval.per_domain)
-            report = evaluate(target, drafter, records, cfg.eval.max_new_tokens)
+            report = evaluate(target, drafter, records, cfg.eval.max_new_tokens, cfg.eval.verify_lens)
             write_report(report, Path(cfg.drafter_out))
-            summary[stage] = {d: {"tau": round(r["tau"], 2), "speedup": round(r["speedup"], 2)} for d, r in report["domains"].items()}
+            summary[stage] = {d: {name: {"tau": round(v["tau"], 2), "speedup": round(v["speedup"], 2)}
+                                  for name, v in r["variants"].items()} for d, r in report["domains"].items()}
         timings[stage] = round(time.perf_counter() - t0, 1)
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "stages.jsonl", "a") as f:

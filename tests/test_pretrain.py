@@ -23,7 +23,7 @@ def tiny_config(tmp_path, source: str, max_steps: int) -> PretrainConfig:
         "drafter": {"num_layers": 1, "block_size": 4},
         "train": {"seqs_per_step": 2, "anchors_per_seq": 3, "max_steps": max_steps, "save_every": 2,
                   "autocast_bf16": False},
-        "eval": {"domains": ["gsm8k"], "per_domain": 1, "max_new_tokens": 8},
+        "eval": {"domains": ["gsm8k"], "per_domain": 1, "max_new_tokens": 8, "verify_lens": [4, 2]},
     })
 
 
@@ -49,8 +49,11 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
     meta = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert meta["training"]["steps"] == 4 and meta["block_size"] == 4
     report = json.loads((tmp_path / "drafter" / "eval.json").read_text())
-    assert report["domains"]["gsm8k"]["identical_greedy"] == 1
-    assert out["eval"]["gsm8k"]["tau"] >= 1.0
+    for variant in ("dflash-v4", "dflash-v2"):
+        assert report["domains"]["gsm8k"]["variants"][variant]["identical_greedy"] == 1
+        assert out["eval"]["gsm8k"][variant]["tau"] >= 1.0
+    assert (tmp_path / "drafter" / "accept_by_position.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "training.png").exists()
 
 
 def test_block_labels():
