@@ -151,6 +151,51 @@ class Drafter(nn.Module):
         h = self.norm(x)
         return self.lm_head(h[:, 1:]).float(), h
 
+    @torch.no_grad()
+    def extend_many(self, feats: list[torch.Tensor], caches: list[KVCache]) -> None:
+        """Ragged batch of `extend_context`: request i appends feats[i] [T_i, n*H] to its own cache.
+        The fusion and k/v projections run once over all requests' tokens packed together."""
+        lens = [f.shape[0] for f in feats]
+        ctx = self.fuse(torch.cat(feats)[None])  # [1, N, H]
+        slots, pos = [], []
+        for cache, n in zip(caches, lens):
+            start, p = cache.append(torch.ones(1, n, dtype=torch.bool))
+            slots.append(start)
+            pos.append(p)
+        cos, sin = self.rotary(torch.cat(pos, dim=1), ctx.dtype)
+        for li, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)  # [1, Hkv, N, D]
+            a = 0
+            for cache, start, n in zip(caches, slots, lens):
+                cache.k[li][:, :, start : start + n] = k[:, :, a : a + n]
+                cache.v[li][:, :, start : start + n] = v[:, :, a : a + n]
+                a += n
+
+    @torch.no_grad()
+    def draft_many(self, caches: list[KVCache], last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged batch of `draft`: one block per request, each attending to its own context cache.
+        last_tokens [R] -> (draft logits [R, K-1, V] fp32, block hidden states [R, K, H])."""
+        k_blk, r = self.block_size, len(caches)
+        x = self.block_input(last_tokens)  # [R, K, H]
+        positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk)  # [R, K]
+        cos, sin = self.rotary(positions, x.dtype)
+        ones = torch.ones(1, k_blk, dtype=torch.bool)
+        masks = [torch.cat([c.valid[:, : c.length], ones], dim=1)[:, None, None] for c in caches]  # [1, 1, 1, n_i + K]
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.project_q(h, cos, sin)  # [R, Hq, K, D]
+            kb, vb = attn.project_kv(h, cos, sin)  # [R, Hkv, K, D]
+            outs = []
+            for i, c in enumerate(caches):
+                k = torch.cat([c.k[li][:, :, : c.length], kb[i : i + 1]], dim=2)
+                v = torch.cat([c.v[li][:, :, : c.length], vb[i : i + 1]], dim=2)
+                outs.append(attn.attend_heads(q[i : i + 1], k, v, masks[i]))
+            x = x + attn.o_proj(torch.cat(outs, dim=0))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.norm(x)
+        return self.lm_head(h[:, 1:]).float(), h
+
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Training forward over many blocks per sequence (DFlash recipe).
 

@@ -86,3 +86,21 @@ def test_save_load_round_trip_and_refusals(tmp_path):
         load_drafter(tmp_path / "e", target, identity)
     with pytest.raises(FileNotFoundError, match="not a drafter directory"):
         load_drafter(tmp_path / "missing", target, identity)
+
+
+def test_ragged_batch_methods_match_single_request_ones():
+    target = tiny_target(3)
+    drafter = tiny_drafter(target, 4)
+    seqs = [torch.randint(0, 64, (1, n)) for n in (5, 9, 3)]
+    feats = [target(s, target.new_cache(1))[1] for s in seqs]
+    many = [drafter.new_cache(1, capacity=2) for _ in seqs]
+    single = [drafter.new_cache(1) for _ in seqs]
+    drafter.extend_many([f[0, :-1] for f in feats], many)
+    for f, c in zip(feats, single):
+        drafter.extend_context(f[:, :-1], c)
+    last = torch.stack([s[0, -1] for s in seqs])
+    logits, h = drafter.draft_many(many, last)
+    for i, c in enumerate(single):
+        ref_logits, ref_h = drafter.draft(c, last[i : i + 1])
+        torch.testing.assert_close(logits[i], ref_logits[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h[i], ref_h[0], atol=1e-4, rtol=1e-4)

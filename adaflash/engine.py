@@ -1,0 +1,285 @@
+"""Continuous-batching speculative engine (no HTTP, no tokenizer).
+
+Each `step()` admits waiting requests (prefill packed into one forward), drafts one block per
+running request (one drafter pass for all), lets the verify-length policy choose how many tokens
+each request verifies, verifies all of them in ONE packed target forward (ragged: no padding to
+the longest), commits accepted + 1 per request and retires finished requests. Requests join and
+leave between steps. Greedy output equals single-request output; sampling is lossless.
+
+Admission is bounded by a token budget per step: an exponential moving average of each request's
+recent verify lengths estimates its next demand, and verify lengths are trimmed if a step would
+exceed the budget, so the engine never over-commits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from adaflash.drafter import Drafter
+from adaflash.spec import pick, probs, verify_greedy, verify_sampling
+from adaflash.target import KVCache, TargetModel
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    domain: str | None = None
+    stop: Callable[[list[int]], int | None] | None = None  # output ids -> keep this many and stop, or None
+
+
+@dataclass
+class Round:
+    """One verification round of one request (what the trajectory buffer records)."""
+
+    anchor: int  # position of the block's first token in prompt + output
+    draft: list[int]  # drafts verified this round
+    target: list[int]  # the target's greedy token at each of those positions
+    accepted: int
+    verify_len: int  # tokens verified incl. the anchor
+    pred: float  # length-head prediction (nan without a head)
+
+
+@dataclass
+class RequestState:
+    req: Request
+    tcache: KVCache
+    dcache: KVCache | None
+    gen: torch.Generator
+    out: list[int] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
+    ema_verify: float = 0.0
+    finish_reason: str | None = None
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return (len(self.out) - 1) / len(self.rounds) if self.rounds else 1.0
+
+
+class VerifyPolicy:
+    """Chooses each request's verify length (tokens verified incl. the anchor, 1..K)."""
+
+    name = "base"
+    drafts = True
+
+    def lengths(self, states: list[RequestState], hidden: torch.Tensor | None, k_blk: int) -> tuple[list[int], list[float]]:
+        raise NotImplementedError
+
+    def observe(self, states: list[RequestState], accepted: list[int]) -> None:
+        """Called after verification with each request's accepted draft count."""
+
+
+class FixedPolicy(VerifyPolicy):
+    """Always verify k tokens (DFlash: k = block size)."""
+
+    def __init__(self, k: int | None = None):
+        self.k, self.name = k, f"fixed{k or ''}"
+
+    def lengths(self, states, hidden, k_blk):
+        return [min(self.k or k_blk, k_blk)] * len(states), [float("nan")] * len(states)
+
+
+class ARPolicy(VerifyPolicy):
+    """No speculation: verify only the last token (plain decoding through the same engine)."""
+
+    name, drafts = "ar", False
+
+    def lengths(self, states, hidden, k_blk):
+        return [1] * len(states), [float("nan")] * len(states)
+
+
+class EMAPolicy(VerifyPolicy):
+    """SGLang's approach: an EMA of recent accepted lengths picks ONE verify length per batch."""
+
+    name = "ema"
+
+    def __init__(self, alpha: float = 0.2, rate: float = 1.3, min_len: int = 2, init: float = 4.0):
+        self.alpha, self.rate, self.min_len, self.ema = alpha, rate, min_len, init
+
+    def lengths(self, states, hidden, k_blk):
+        n = max(self.min_len, min(k_blk, round((self.ema + 1) * self.rate)))
+        return [n] * len(states), [float("nan")] * len(states)
+
+    def observe(self, states, accepted):
+        if accepted:
+            self.ema = (1 - self.alpha) * self.ema + self.alpha * (sum(accepted) / len(accepted))
+
+
+class HeadPolicy(VerifyPolicy):
+    """AdaFlash: the length head predicts each block's acceptance rate; verify only what is likely kept."""
+
+    name = "head"
+
+    def __init__(self, head):
+        self.head = head
+
+    def lengths(self, states, hidden, k_blk):
+        from adaflash.length_head import verify_length
+
+        c = self.head.config
+        with torch.no_grad():
+            pred = self.head(hidden.float())  # [R]
+        lens = verify_length(pred, k_blk, c.rate, c.min_len)
+        return lens.tolist(), pred.tolist()
+
+
+class Engine:
+    def __init__(self, target: TargetModel, drafter: Drafter | None, policy: VerifyPolicy, eos_ids: list[int],
+                 max_batch: int = 32, token_budget: int = 512, ema_alpha: float = 0.3):
+        if policy.drafts and drafter is None:
+            raise ValueError(f"policy {policy.name} needs a drafter")
+        self.target, self.drafter, self.policy = target, drafter, policy
+        self.eos = set(eos_ids)
+        self.max_batch, self.token_budget, self.ema_alpha = max_batch, token_budget, ema_alpha
+        self.k_blk = drafter.block_size if drafter is not None else 1
+        self.waiting: deque[Request] = deque()
+        self.running: list[RequestState] = []
+        self.finished: list[RequestState] = []
+        self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "max_step_tokens": 0}
+
+    def submit(self, req: Request) -> None:
+        limit = self.target.config.max_position_embeddings
+        if len(req.prompt_ids) + req.max_new_tokens + self.k_blk > limit:
+            raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
+                             f"{req.max_new_tokens} exceeds the target's context of {limit}")
+        if len(req.prompt_ids) > self.token_budget:
+            raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens exceeds the step token budget {self.token_budget}")
+        self.waiting.append(req)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def demand(self) -> float:
+        """Estimated verify tokens of the running requests next step (EMA of their recent lengths)."""
+        return sum(max(1.0, s.ema_verify) for s in self.running)
+
+    # ------------------------------------------------------------------ step phases
+
+    def _admit(self) -> list[RequestState]:
+        new, budget = [], self.token_budget - self.demand()
+        while self.waiting and len(self.running) + len(new) < self.max_batch and len(self.waiting[0].prompt_ids) <= budget:
+            req = self.waiting.popleft()
+            budget -= len(req.prompt_ids)
+            cap = len(req.prompt_ids) + req.max_new_tokens + self.k_blk + 1
+            st = RequestState(req, self.target.new_cache(1, cap), self.drafter.new_cache(1, cap) if self.policy.drafts else None,
+                              torch.Generator().manual_seed(req.seed), t_start=time.perf_counter())
+            st.ema_verify = float(self.k_blk)
+            new.append(st)
+        if not new:
+            return []
+        logits, feats = self.target.forward_packed([torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new])
+        if self.policy.drafts:
+            self.drafter.extend_many(feats, [s.dcache for s in new])
+        for st, lg in zip(new, logits):
+            st.t_first = time.perf_counter()
+            self._commit(st, [int(pick(lg[-1], st.req.temperature, st.gen))])
+        return new
+
+    def _commit(self, st: RequestState, tokens: list[int]) -> None:
+        """Append tokens, applying EOS / max_new_tokens / custom stop; mark finished."""
+        for t in tokens:
+            st.out.append(t)
+            if t in self.eos:
+                st.finish_reason = "stop"
+                break
+            if len(st.out) >= st.req.max_new_tokens:
+                st.finish_reason = "length"
+                break
+        if st.req.stop is not None and st.finish_reason is None:
+            keep = st.req.stop(st.out)
+            if keep is not None:
+                del st.out[keep:]
+                st.finish_reason = "stop"
+
+    def step(self) -> list[RequestState]:
+        """One engine step; returns the requests that finished in it."""
+        self.running += self._admit()
+        active = [s for s in self.running if s.finish_reason is None]
+        if active:
+            self._speculate(active)
+        done = [s for s in self.running if s.finish_reason is not None]
+        for s in done:
+            s.t_done = time.perf_counter()
+        self.running = [s for s in self.running if s.finish_reason is None]
+        self.finished += done
+        self.stats["steps"] += 1
+        return done
+
+    def _speculate(self, active: list[RequestState]) -> None:
+        k_blk = self.k_blk
+        last = torch.tensor([s.out[-1] for s in active])
+        hidden = draft_logits = None
+        if self.policy.drafts:
+            draft_logits, hidden = self.drafter.draft_many([s.dcache for s in active], last)  # [R, K-1, V], [R, K, H]
+        lens, preds = self.policy.lengths(active, hidden, k_blk)
+        lens = [max(1, min(n, s.req.max_new_tokens - len(s.out))) for n, s in zip(lens, active)]  # never past the budget
+        lens = self._fit_budget(lens)
+        drafts, qs = [], []
+        for i, (s, n) in enumerate(zip(active, lens)):
+            k = n - 1
+            if k == 0:
+                drafts.append(torch.zeros(0, dtype=torch.long))
+                qs.append(None)
+            elif s.req.temperature > 0:
+                q = probs(draft_logits[i, :k], s.req.temperature)  # [k, V]
+                drafts.append(torch.multinomial(q, 1, generator=s.gen)[:, 0])
+                qs.append(q)
+            else:
+                drafts.append(draft_logits[i, :k].argmax(-1))
+                qs.append(None)
+        inputs = [torch.cat([last[i : i + 1], d]) for i, d in enumerate(drafts)]
+        logits, feats = self.target.forward_packed(inputs, [s.tcache for s in active])
+        self.stats["verify_tokens"] += sum(lens)
+        self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], sum(lens))
+        accepted, new_feats = [], []
+        for i, s in enumerate(active):
+            d, lg, k = drafts[i], logits[i], lens[i] - 1  # lg: [k+1, V]
+            if s.req.temperature > 0 and k > 0:
+                n, nxt = verify_sampling(d[None], qs[i][None], probs(lg[None], s.req.temperature), s.gen)
+            elif s.req.temperature > 0:
+                n, nxt = torch.zeros(1, dtype=torch.long), pick(lg[-1:], s.req.temperature, s.gen)
+            else:
+                n, nxt = verify_greedy(d[None], lg[None])
+            n = int(n[0])
+            s.tcache.crop(s.tcache.length - (k - n))
+            new_feats.append(feats[i][: 1 + n])
+            before = len(s.out)
+            s.rounds.append(Round(anchor=len(s.req.prompt_ids) + before - 1, draft=d.tolist(),
+                                  target=lg[:k].argmax(-1).tolist(), accepted=n, verify_len=lens[i], pred=preds[i]))
+            self._commit(s, d[:n].tolist() + [int(nxt[0])])
+            self.stats["committed"] += len(s.out) - before
+            s.ema_verify = (1 - self.ema_alpha) * s.ema_verify + self.ema_alpha * lens[i]
+            accepted.append(n)
+        if self.policy.drafts:
+            self.drafter.extend_many(new_feats, [s.dcache for s in active])
+        self.policy.observe(active, accepted)
+
+    def _fit_budget(self, lens: list[int]) -> list[int]:
+        """Trim the longest verify lengths until the step fits the token budget (each keeps >= 1)."""
+        lens = list(lens)
+        while sum(lens) > self.token_budget and max(lens) > 1:
+            i = lens.index(max(lens))
+            lens[i] -= 1
+        return lens
+
+    def run(self, requests: list[Request]) -> list[RequestState]:
+        """Submit all, step until every request finished; -> states in submission order."""
+        for r in requests:
+            self.submit(r)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        start = len(self.finished)
+        while not self.idle:
+            self.step()
+        return sorted(self.finished[start:], key=lambda s: order[s.req.request_id])
