@@ -2,12 +2,15 @@
 
   adaflash generate   plain or speculative generation for prompts (text or JSONL), with statistics
   adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
+  adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
+  adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, transformers peers)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,6 +105,99 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_prompts(args, target) -> dict:
+    """Prompts per domain for bench / fit-head: eval (or train) split of the built sets, or a JSONL file."""
+    from adaflash.pipelines.bench import BenchPrompt
+    from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
+
+    if getattr(args, "prompts_file", None):
+        out: dict[str, list] = {}
+        for item in read_prompts_file(Path(args.prompts_file)):
+            out.setdefault(item["domain"] or "file", []).append(BenchPrompt(item["domain"] or "file", target.encode_chat(item["messages"])))
+        return {d: v[: args.n_prompts] for d, v in out.items()}
+    split = Path(args.prompt_sets) / f"{args.split}.parquet"
+    if not split.exists():
+        build_prompt_sets(Path(args.prompt_sets))
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    recs = read_prompts(split, domains, args.n_prompts)
+    out = {}
+    for r in recs:
+        out.setdefault(r.domain, []).append(BenchPrompt(r.domain, target.encode_chat(r.messages)))
+    missing = [d for d in domains if d not in out]
+    if missing:
+        raise UsageError(f"no {args.split} prompts for domain(s) {missing} in {split}")
+    return out
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import platform
+
+    from adaflash.drafter import load_drafter
+    from adaflash.pipelines.bench import ENGINE_METHODS, HF_METHODS, bench, write_bench
+    from adaflash.target import load_target
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ENGINE_METHODS + HF_METHODS and not (m.startswith("fixed") and m[5:].isdigit())]
+    if bad:
+        raise UsageError(f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK")
+    try:
+        concurrency = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise UsageError("--concurrency takes comma-separated integers, e.g. 1,8,32") from None
+    target = load_target(args.target, args.dtype)
+    drafter = load_drafter(args.drafter, target.model, target.identity)
+    head = None
+    if "head" in methods:
+        from adaflash.length_head import load_length_head
+
+        if not (Path(args.drafter) / "length_head.json").exists():
+            raise UsageError(f"method 'head' needs {args.drafter}/length_head.json: run `adaflash fit-head` first")
+        head = load_length_head(args.drafter, drafter.config.hidden_size)
+    hf_model = None
+    if any(m in HF_METHODS for m in methods):
+        from transformers import AutoModelForCausalLM
+
+        from adaflash.target import gguf_to_hf_dir, packaged_gguf
+
+        path = gguf_to_hf_dir(packaged_gguf()) if args.target == "smollm2" else args.target
+        hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.model.dtype).eval()
+    prompts = _bench_prompts(args, target)
+    rows = bench(target, drafter, head, hf_model, target.tokenizer.pad_token_id or target.eos_ids[0],
+                 prompts, methods, concurrency, args.max_new_tokens, args.token_budget)
+    meta = {"command": "adaflash " + " ".join(sys.argv[1:]), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+            f"torch threads {__import__('torch').get_num_threads()}", "max_new_tokens": args.max_new_tokens,
+            "token_budget": args.token_budget, "target": target.identity, "dtype": args.dtype}
+    write_bench(rows, meta, Path(args.out))
+    print((Path(args.out) / "report.md").read_text())
+    return 0
+
+
+def cmd_fit_head(args: argparse.Namespace) -> int:
+    from adaflash.drafter import load_drafter
+    from adaflash.pipelines.fit_head import fit_head
+    from adaflash.target import load_target
+
+    target = load_target(args.target, args.dtype)
+    drafter = load_drafter(args.drafter, target.model, target.identity)
+    prompts = _bench_prompts(args, target)
+    ids = [p.ids for ps in prompts.values() for p in ps]
+    metrics = fit_head(target.model, drafter, Path(args.drafter), ids, args.max_new_tokens, args.concurrency,
+                       target.eos_ids, args.epochs, args.lr)
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def _add_prompt_args(p: argparse.ArgumentParser, split: str, n: int) -> None:
+    p.add_argument("--domains", default="gsm8k,humaneval,aime", help="comma-separated prompt domains")
+    p.add_argument("--prompts-file", help="JSONL prompts instead of the built prompt sets (adaflash generate format)")
+    p.add_argument("--prompt-sets", default="runs/pretrain-smollm2/prompts", help="folder of train/eval.parquet (built if missing)")
+    p.add_argument("--split", default=split, choices=["train", "eval"])
+    p.add_argument("--n-prompts", type=int, default=n, help="prompts per domain")
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="adaflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -129,6 +225,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="YAML, e.g. configs/pretrain_smollm2.yaml")
     t.add_argument("--stage", default="all", help="comma-separated stages or 'all'")
     t.set_defaults(func=cmd_pretrain)
+
+    b = sub.add_parser("bench", help="compare methods side by side in one run (tokens/s, tau, speedup, latency)",
+                       description="Runs every method on the same prompts, interleaved per cell; writes results.json, "
+                                   "report.md and PNG plots into --out.")
+    b.add_argument("--methods", default="ar,fixed,ema,head,hf,hf-pld", help="ar, fixed, fixedK, ema, head, hf, hf-pld")
+    b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--token-budget", type=int, default=512, help="max verify tokens per engine step (admission bound)")
+    b.add_argument("--out", default="runs/bench", help="output folder")
+    _add_prompt_args(b, "eval", 8)
+    b.set_defaults(func=cmd_bench)
+
+    f = sub.add_parser("fit-head", help="offline fit of the length head on recorded verification rounds",
+                       description="Records full-block verification rounds on training prompts with the drafter frozen, "
+                                   "fits the head (MSE on (accepted+1)/K) and saves it beside the drafter with held-out metrics.")
+    f.add_argument("--max-new-tokens", type=int, default=128)
+    f.add_argument("--concurrency", type=int, default=8)
+    f.add_argument("--epochs", type=int, default=30)
+    f.add_argument("--lr", type=float, default=2e-4)
+    _add_prompt_args(f, "train", 64)
+    f.set_defaults(func=cmd_fit_head)
     return p
 
 

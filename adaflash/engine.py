@@ -46,6 +46,7 @@ class Round:
     accepted: int
     verify_len: int  # tokens verified incl. the anchor
     pred: float  # length-head prediction (nan without a head)
+    hidden: torch.Tensor | None = None  # [K, H] drafter block states, kept when collecting head data
 
 
 @dataclass
@@ -136,12 +137,13 @@ class HeadPolicy(VerifyPolicy):
 
 class Engine:
     def __init__(self, target: TargetModel, drafter: Drafter | None, policy: VerifyPolicy, eos_ids: list[int],
-                 max_batch: int = 32, token_budget: int = 512, ema_alpha: float = 0.3):
+                 max_batch: int = 32, token_budget: int = 512, ema_alpha: float = 0.3, keep_hidden: bool = False):
         if policy.drafts and drafter is None:
             raise ValueError(f"policy {policy.name} needs a drafter")
         self.target, self.drafter, self.policy = target, drafter, policy
         self.eos = set(eos_ids)
         self.max_batch, self.token_budget, self.ema_alpha = max_batch, token_budget, ema_alpha
+        self.keep_hidden = keep_hidden
         self.k_blk = drafter.block_size if drafter is not None else 1
         self.waiting: deque[Request] = deque()
         self.running: list[RequestState] = []
@@ -257,7 +259,8 @@ class Engine:
             new_feats.append(feats[i][: 1 + n])
             before = len(s.out)
             s.rounds.append(Round(anchor=len(s.req.prompt_ids) + before - 1, draft=d.tolist(),
-                                  target=lg[:k].argmax(-1).tolist(), accepted=n, verify_len=lens[i], pred=preds[i]))
+                                  target=lg[:k].argmax(-1).tolist(), accepted=n, verify_len=lens[i], pred=preds[i],
+                                  hidden=hidden[i].clone() if self.keep_hidden and hidden is not None else None))
             self._commit(s, d[:n].tolist() + [int(nxt[0])])
             self.stats["committed"] += len(s.out) - before
             s.ema_verify = (1 - self.ema_alpha) * s.ema_verify + self.ema_alpha * lens[i]

@@ -1,0 +1,207 @@
+"""`adaflash bench`: methods side by side in ONE run, on the same prompts, interleaved.
+
+Methods: `ar` (plain decoding through our engine), `fixed` (DFlash, verify the whole block),
+`fixedK` (verify K), `ema` (one verify length per batch from an EMA of acceptance, SGLang's
+approach), `head` (AdaFlash length head, per request), and the transformers peers `hf`
+(`generate`, batched with left padding) and `hf-pld` (prompt-lookup assisted generation, which
+transformers runs one request at a time). For every domain x concurrency cell the methods run in an
+order rotated per cell, so machine noise hits all alike. Each cell keeps `concurrency` requests in
+flight until its prompts are done (a closed loop).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
+
+ENGINE_METHODS = ("ar", "fixed", "ema", "head")
+HF_METHODS = ("hf", "hf-pld")
+
+
+@dataclass
+class BenchPrompt:
+    domain: str
+    ids: list[int]
+
+
+def make_policy(method: str, head=None):
+    if method == "ar":
+        return ARPolicy()
+    if method == "fixed":
+        return FixedPolicy()
+    if method.startswith("fixed") and method[5:].isdigit():
+        return FixedPolicy(int(method[5:]))
+    if method == "ema":
+        return EMAPolicy()
+    if method == "head":
+        if head is None:
+            raise ValueError("method 'head' needs a length head beside the drafter (run `adaflash fit-head` first)")
+        return HeadPolicy(head)
+    raise ValueError(f"unknown method {method!r}; methods: ar, fixed, fixedK, ema, head, hf, hf-pld")
+
+
+def run_engine(method: str, target, drafter, head, prompts: list[BenchPrompt], concurrency: int, max_new: int,
+               eos: list[int], token_budget: int) -> dict:
+    engine = Engine(target, drafter if method != "ar" else None, make_policy(method, head), eos,
+                    max_batch=concurrency, token_budget=token_budget)
+    reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    states = engine.run(reqs)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(s.out) for s in states)
+    rounds = sum(len(s.rounds) for s in states)
+    per_tok = [(s.t_done - s.t_start) / len(s.out) for s in states]
+    drafted, accepted = [0] * 15, [0] * 15
+    true_rate, pred_rate = [], []
+    for s in states:
+        for r in s.rounds:
+            for j in range(len(r.draft)):
+                drafted[j] += 1
+                accepted[j] += j < r.accepted
+            if r.pred == r.pred:  # a head prediction was made
+                pred_rate.append(r.pred)
+                true_rate.append(min(1.0, (r.accepted + 1) / drafter.block_size))
+    return {
+        "tokens_per_s": tokens / wall, "tau": (tokens - len(states)) / max(1, rounds),
+        "verify_tokens_per_step": engine.stats["verify_tokens"] / max(1, engine.stats["steps"]),
+        "max_step_tokens": engine.stats["max_step_tokens"], "committed_tokens": tokens, "wall_s": wall,
+        "latency_per_token_p50": statistics.median(per_tok), "latency_per_token_p95": sorted(per_tok)[int(0.95 * (len(per_tok) - 1))],
+        "n_requests": len(states), "accept_by_position": [a / d if d else None for a, d in zip(accepted, drafted)],
+        "head_pred": pred_rate, "head_true": true_rate,
+    }
+
+
+def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, max_new: int, eos: list[int], pad_id: int) -> dict:
+    """transformers' own generate (greedy); hf-pld uses prompt_lookup_num_tokens (batch 1 only)."""
+    kw = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=pad_id)
+    batch = 1 if method == "hf-pld" else concurrency
+    if method == "hf-pld":
+        kw["prompt_lookup_num_tokens"] = 10
+    t0, tokens, per_tok = time.perf_counter(), 0, []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        width = max(len(p.ids) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p.ids)) + p.ids for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in chunk])
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            out = hf_model.generate(ids, attention_mask=mask, **kw)[:, width:]
+        dt = time.perf_counter() - t1
+        for row in out.tolist():
+            n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            tokens += n
+            per_tok.append(dt / n)
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / wall, "tau": None, "verify_tokens_per_step": None, "committed_tokens": tokens,
+            "wall_s": wall, "latency_per_token_p50": statistics.median(per_tok),
+            "latency_per_token_p95": sorted(per_tok)[int(0.95 * (len(per_tok) - 1))], "n_requests": len(prompts),
+            "effective_concurrency": batch}
+
+
+def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[str, list[BenchPrompt]],
+          methods: list[str], concurrency: list[int], max_new: int, token_budget: int) -> list[dict]:
+    rows = []
+    cells = [(d, c) for d in prompts_by_domain for c in concurrency]
+    bar = tqdm(total=len(cells) * len(methods), desc="bench", unit="run")
+    for ci, (domain, conc) in enumerate(cells):
+        prompts = prompts_by_domain[domain]
+        order = methods[ci % len(methods) :] + methods[: ci % len(methods)]  # rotate: noise hits all alike
+        cell = {}
+        for m in order:
+            bar.set_postfix(domain=domain, concurrency=conc, method=m)
+            if m in HF_METHODS:
+                cell[m] = run_hf(m, hf_model, prompts, conc, max_new, target.eos_ids, pad_id)
+            else:
+                cell[m] = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget)
+            bar.update(1)
+        base = cell.get("ar", {}).get("tokens_per_s")
+        for m in methods:
+            r = cell[m]
+            r.update(method=m, domain=domain, concurrency=conc, speedup_vs_ar=(r["tokens_per_s"] / base) if base else None)
+            rows.append(r)
+    bar.close()
+    return rows
+
+
+def report_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"Command: `{meta['command']}`", "", f"Machine: {meta['machine']}; max_new_tokens {meta['max_new_tokens']}; "
+             f"token budget {meta['token_budget']}", "",
+             "| domain | concurrency | method | tok/s | speedup vs ar | tau | verify tok/step | p50 ms/tok | p95 ms/tok | requests |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['domain']} | {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | "
+                     f"{fmt(r['speedup_vs_ar'], '.2f')}x | {fmt(r['tau'], '.2f')} | {fmt(r['verify_tokens_per_step'], '.1f')} | "
+                     f"{1000 * r['latency_per_token_p50']:.0f} | {1000 * r['latency_per_token_p95']:.0f} | {r['n_requests']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_bench(rows: list[dict], out: Path) -> list[Path]:
+    from adaflash.pipelines.plots import _pyplot
+
+    plt = _pyplot()
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        pts = {}
+        for r in rows:
+            if r["method"] == m:
+                pts.setdefault(r["concurrency"], []).append(r["tokens_per_s"])
+        xs = sorted(pts)
+        ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("tokens/s (mean over domains)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for r in rows:
+        acc = r.get("accept_by_position")
+        if acc and r["method"] == "fixed" and r["concurrency"] == min(x["concurrency"] for x in rows):
+            ys = [y for y in acc if y is not None]
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", label=r["domain"])
+    ax.set_xlabel("block position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "accept_by_position.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    heads = [r for r in rows if r.get("head_pred")]
+    if heads:
+        fig, ax = plt.subplots(figsize=(5, 5))
+        for r in heads:
+            ax.scatter(r["head_true"], r["head_pred"], s=4, alpha=0.3, label=f"{r['domain']} c{r['concurrency']}")
+        ax.plot([0, 1], [0, 1], color="gray", lw=1)
+        ax.set_xlabel("true acceptance rate (accepted+1)/K")
+        ax.set_ylabel("head prediction")
+        ax.legend(markerscale=3, fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "head_pred_vs_true.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write_bench(rows: list[dict], meta: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k not in ("head_pred", "head_true")} for r in rows]
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": slim}, indent=2) + "\n")
+    (out / "report.md").write_text(report_markdown(rows, meta))
+    plot_bench(rows, out)
