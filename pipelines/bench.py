@@ -12,6 +12,7 @@ flight until its prompts are done (a closed loop).
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -123,9 +124,11 @@ def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[
                 cell[m] = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget)
             bar.update(1)
         base = cell.get("ar", {}).get("tokens_per_s")
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB, peak of the process so far
         for m in methods:
             r = cell[m]
-            r.update(method=m, domain=domain, concurrency=conc, speedup_vs_ar=(r["tokens_per_s"] / base) if base else None)
+            r.update(method=m, domain=domain, concurrency=conc, speedup_vs_ar=(r["tokens_per_s"] / base) if base else None,
+                     peak_rss_mib=round(rss))
             rows.append(r)
     bar.close()
     return rows
@@ -134,13 +137,14 @@ def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[
 def report_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Command: `{meta['command']}`", "", f"Machine: {meta['machine']}; max_new_tokens {meta['max_new_tokens']}; "
              f"token budget {meta['token_budget']}", "",
-             "| domain | concurrency | method | tok/s | speedup vs ar | tau | verify tok/step | p50 ms/tok | p95 ms/tok | requests |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| domain | concurrency | method | tok/s | speedup vs ar | tau | verify tok/step | max step tok | p50 ms/tok | p95 ms/tok | requests | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for r in rows:
         lines.append(f"| {r['domain']} | {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | "
                      f"{fmt(r['speedup_vs_ar'], '.2f')}x | {fmt(r['tau'], '.2f')} | {fmt(r['verify_tokens_per_step'], '.1f')} | "
-                     f"{1000 * r['latency_per_token_p50']:.0f} | {1000 * r['latency_per_token_p95']:.0f} | {r['n_requests']} |")
+                     f"{fmt(r.get('max_step_tokens'), 'd')} | {1000 * r['latency_per_token_p50']:.0f} | "
+                     f"{1000 * r['latency_per_token_p95']:.0f} | {r['n_requests']} | {r['peak_rss_mib']} |")
     return "\n".join(lines) + "\n"
 
 
