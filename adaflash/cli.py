@@ -63,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = load_target(args.target, args.dtype)
     drafter = None
     if args.method == "dflash":
-        drafter = load_drafter(args.drafter, target.model, target.identity)
+        drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     for i, item in enumerate(items):
         ids = target.encode_chat(item["messages"])
         try:
@@ -145,7 +145,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError("--concurrency takes comma-separated integers, e.g. 1,8,32") from None
     target = load_target(args.target, args.dtype)
-    drafter = load_drafter(args.drafter, target.model, target.identity)
+    drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     head = None
     if "head" in methods:
         from adaflash.length_head import load_length_head
@@ -178,7 +178,7 @@ def cmd_fit_head(args: argparse.Namespace) -> int:
     from adaflash.target import load_target
 
     target = load_target(args.target, args.dtype)
-    drafter = load_drafter(args.drafter, target.model, target.identity)
+    drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     prompts = _bench_prompts(args, target)
     ids = [p.ids for ps in prompts.values() for p in ps]
     metrics = fit_head(target.model, drafter, Path(args.drafter), ids, args.max_new_tokens, args.concurrency,
@@ -195,7 +195,8 @@ def _add_prompt_args(p: argparse.ArgumentParser, split: str, n: int) -> None:
     p.add_argument("--n-prompts", type=int, default=n, help="prompts per domain")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"], help="target dtype")
+    p.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter directory (config.json + model.safetensors)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="target dtype; float32 keeps greedy speculative output identical to plain decoding")
+    g.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"],
+                   help="drafter dtype (auto: bf16 where fast); drafts need not be exact, so output is unaffected")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from adaflash.layers import DecoderLayer, RMSNorm, Rotary
@@ -85,14 +86,21 @@ class Drafter(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         self.attach(target)
 
-    def attach(self, target: TargetModel) -> None:
-        """Share the target's frozen embedding and LM head (kept out of this module's parameters)."""
+    def attach(self, target: TargetModel, dtype: torch.dtype | None = None) -> None:
+        """Share the target's frozen embedding and LM head (kept out of this module's parameters).
+        With a `dtype` other than the target's (a bf16 drafter beside an fp32 target: drafts need
+        not be exact, verification is), one frozen copy in that dtype is made instead."""
         if target.config.hidden_size != self.config.hidden_size:
             raise ValueError(f"drafter width {self.config.hidden_size} != target width {target.config.hidden_size}")
         if list(target.feature_layers) != list(self.config.target_layer_ids):
             raise ValueError(f"target exposes layers {target.feature_layers}, drafter needs {self.config.target_layer_ids}")
-        self.__dict__["embed"] = target.model.embed_tokens
-        self.__dict__["lm_head"] = target.lm_head
+        embed, head = target.model.embed_tokens, target.lm_head
+        if dtype is not None and dtype != target.dtype:
+            head_w = head.weight.detach().to(dtype)
+            emb_w = head_w if embed.weight is head.weight else embed.weight.detach().to(dtype)
+            embed, head = (lambda ids: F.embedding(ids, emb_w)), (lambda h: F.linear(h, head_w))
+        self.__dict__["embed"] = embed
+        self.__dict__["lm_head"] = head
 
     @property
     def block_size(self) -> int:
@@ -129,9 +137,10 @@ class Drafter(nn.Module):
             cache.v[i][:, :, start : start + t] = v
 
     @torch.no_grad()
-    def draft(self, cache: KVCache, last_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over the block. last_token: [B]. Returns (draft logits [B, K-1, V] fp32,
-        final block hidden states [B, K, H] for the length head)."""
+    def draft(self, cache: KVCache, last_token: torch.Tensor, n_logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the block. last_token: [B]. Returns (draft logits [B, n, V] fp32 for block
+        positions 1..n, n = n_logits or K-1; final block hidden states [B, K, H] for the length head).
+        Asking only for the drafts that will be verified skips most of the LM head."""
         k_blk = self.block_size
         x = self.block_input(last_token)  # [B, K, H]
         positions = cache.next_pos[:, None] + torch.arange(k_blk)  # [B, K]: the anchor sits at next_pos
@@ -149,7 +158,7 @@ class Drafter(nn.Module):
             x = x + attn.attend(q, k, v, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = self.norm(x)
-        return self.lm_head(h[:, 1:]).float(), h
+        return self.lm_head(h[:, 1 : 1 + (n_logits or k_blk - 1)]).float(), h
 
     @torch.no_grad()
     def extend_many(self, feats: list[torch.Tensor], caches: list[KVCache]) -> None:
@@ -264,8 +273,11 @@ def check_fits(config: DrafterConfig, identity: dict) -> None:
             )
 
 
-def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: torch.dtype | None = None) -> Drafter:
-    """Load a drafter directory for `target`; refuses mismatched targets and non-finite weights."""
+def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: str | torch.dtype | None = None) -> Drafter:
+    """Load a drafter directory for `target`; refuses mismatched targets and non-finite weights.
+    `dtype`: None = the target's; "auto" = bf16 where this CPU/GPU runs it fast."""
+    from adaflash.target import resolve_dtype
+
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -279,4 +291,7 @@ def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: t
     if bad:
         raise ValueError(f"drafter {path} has non-finite weights in {bad[:3]}")
     drafter.load_state_dict(state)  # strict: shapes and names must match the config
-    return drafter.to(dtype or target.dtype).eval().requires_grad_(False)
+    dtype = resolve_dtype(dtype) if isinstance(dtype, str) else (dtype or target.dtype)
+    drafter = drafter.to(dtype).eval().requires_grad_(False)
+    drafter.attach(target, dtype)
+    return drafter

@@ -101,8 +101,7 @@ def generate_dflash(
         k = min(n_verify, max_new_tokens - len(out) - 1)  # never draft past the budget
         last = torch.tensor([out[-1]])
         if k > 0:
-            draft_logits, _ = drafter.draft(dcache, last)  # [1, K-1, V]
-            draft_logits = draft_logits[:, :k]
+            draft_logits, _ = drafter.draft(dcache, last, n_logits=k)  # [1, k, V]
             if temperature > 0:
                 q = probs(draft_logits, temperature)  # [1, k, V]
                 draft = torch.multinomial(q[0], 1, generator=gen).T  # [1, k]

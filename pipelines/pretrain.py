@@ -81,6 +81,7 @@ class EvalSection:
     per_domain: int = 16
     max_new_tokens: int = 128
     verify_lens: list[int] = field(default_factory=lambda: [16])  # tokens verified per round, anchor included
+    drafter_dtype: str = "auto"  # bf16 where fast: drafts need not be exact, verification (target dtype) is
 
 
 @dataclass
@@ -310,7 +311,7 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
                 summary[stage] = str(export(cfg, target, run_dir))
         elif stage == "eval":
             target = load_target(cfg.target.source, cfg.target.dtype)
-            drafter = load_drafter(cfg.drafter_out, target.model, target.identity)
+            drafter = load_drafter(cfg.drafter_out, target.model, target.identity, cfg.eval.drafter_dtype)
             records = read_prompts(prompts_dir / "eval.parquet", cfg.eval.domains, cfg.eval.per_domain)
             report = evaluate(target, drafter, records, cfg.eval.max_new_tokens, cfg.eval.verify_lens)
             write_report(report, Path(cfg.drafter_out))

@@ -30,9 +30,10 @@ class OracleDrafter:
     def extend_context(self, feats, cache):
         cache.length += feats.shape[1]
 
-    def draft(self, cache, last_token):
-        logits = torch.zeros(1, self.block_size - 1, self.vocab)
-        for j in range(self.block_size - 1):
+    def draft(self, cache, last_token, n_logits=None):
+        n = n_logits or self.block_size - 1
+        logits = torch.zeros(1, n, self.vocab)
+        for j in range(n):
             pos = cache.length + 1 + j  # the anchor sits at position cache.length
             tok = self.reference[pos] if pos < len(self.reference) else 0
             if self.rng.random() < self.noise:
@@ -116,3 +117,14 @@ def test_sampling_dflash_keeps_target_distribution():
         chi2 = ((counts.double() - expected) ** 2 / expected.clamp(min=1e-9)).sum().item()
         assert chi2 < 24.3, (chi2, counts, expected)  # 7 degrees of freedom, p = 0.001
     assert accepted > n * 0.2  # the accept path was exercised, not only the residual
+
+
+def test_bf16_drafter_beside_fp32_target_stays_lossless():
+    target = tiny_target(11)
+    drafter = tiny_drafter(target, 11).to(torch.bfloat16)
+    drafter.attach(target, torch.bfloat16)  # its own bf16 copy of the shared embedding / LM head
+    prompt = [3, 1, 4, 1, 5]
+    ar = generate_ar(target, prompt, 30, [])
+    sd = generate_dflash(target, drafter, prompt, 30, [])
+    assert sd.output_ids == ar.output_ids
+    assert target.lm_head.weight.dtype == torch.float32
