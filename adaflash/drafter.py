@@ -51,7 +51,8 @@ class DrafterConfig:
             raise ValueError(f"mask must be 'learned', got {self.mask!r}")
 
     @classmethod
-    def for_target(cls, target: TargetModel, identity: dict, num_layers: int = 3, block_size: int = 16) -> "DrafterConfig":
+    def for_target(cls, target: TargetModel, identity: dict, num_layers: int = 3, block_size: int = 16,
+                   qk_norm: bool = True) -> "DrafterConfig":
         """A drafter in the target's own style and width, conditioned on the target's feature layers."""
         c = target.config
         return cls(
@@ -65,6 +66,7 @@ class DrafterConfig:
             block_size=block_size,
             rope_theta=c.rope_theta,
             rms_norm_eps=c.rms_norm_eps,
+            qk_norm=qk_norm,
             target=dict(identity),
         )
 

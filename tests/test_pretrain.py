@@ -84,3 +84,19 @@ def test_shipped_config_is_valid():
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "pretrain_smollm2.yaml", PretrainConfig)
     assert cfg.drafter.block_size == 16
+
+
+def test_init_from_target_copies_last_layers(tiny_hf_dir):
+    from adaflash.drafter import Drafter, DrafterConfig
+    from adaflash.pipelines.pretrain import init_from_target
+    from adaflash.target import load_target
+
+    t = load_target(str(tiny_hf_dir), "float32")
+    d = Drafter(DrafterConfig.for_target(t.model, t.identity, num_layers=2, block_size=4, qk_norm=False), t.model)
+    init_from_target(d, t)
+    torch.testing.assert_close(d.layers[1].mlp.up_proj.weight, t.model.model.layers[-1].mlp.up_proj.weight)
+    torch.testing.assert_close(d.layers[0].self_attn.q_proj.weight, t.model.model.layers[-2].self_attn.q_proj.weight)
+    feats = torch.randn(1, 3, d.fc.in_features)
+    torch.testing.assert_close(d.fc(feats), feats[..., -64:])
+    with pytest.raises(ConfigError, match="init must be"):
+        from_dict(PretrainConfig, {"drafter": {"init": "magic"}})
