@@ -54,7 +54,7 @@ def plot_training(log_path: Path, path: Path) -> Path:
         ax2 = ax.twinx()
         ax2.plot(*zip(*acc), color="tab:orange", alpha=0.7, label="accepted drafts per block (train)")
         ax2.set_ylabel("accepted drafts per block")
-        ax2.legend(loc="upper center")
+        ax2.legend(loc="center right")
     ax.legend(loc="upper right")
     ax.set_title("Drafter pretraining")
     fig.tight_layout()
