@@ -14,6 +14,7 @@ exceed the budget, so the engine never over-commits.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -68,14 +69,15 @@ class RequestState:
         return (len(self.out) - 1) / len(self.rounds) if self.rounds else 1.0
 
 
-class VerifyPolicy:
+class VerifyPolicy(ABC):
     """Chooses each request's verify length (tokens verified incl. the anchor, 1..K)."""
 
     name = "base"
     drafts = True
 
+    @abstractmethod
     def lengths(self, states: list[RequestState], hidden: torch.Tensor | None, k_blk: int) -> tuple[list[int], list[float]]:
-        raise NotImplementedError
+        """-> (verify length per request, length-head prediction per request or nan)."""
 
     def observe(self, states: list[RequestState], accepted: list[int]) -> None:
         """Called after verification with each request's accepted draft count."""

@@ -148,6 +148,13 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     from adaflash.pipelines.plots import _pyplot
 
@@ -166,10 +173,7 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     ax.set_ylabel("tokens/s (mean over domains)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "throughput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "throughput.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for r in rows:
@@ -182,10 +186,7 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "accept_by_position.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "accept_by_position.png"))
 
     heads = [r for r in rows if r.get("head_pred")]
     if heads:
@@ -196,10 +197,7 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("true acceptance rate (accepted+1)/K")
         ax.set_ylabel("head prediction")
         ax.legend(markerscale=3, fontsize=7)
-        fig.tight_layout()
-        paths.append(out / "head_pred_vs_true.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(plt, fig, out / "head_pred_vs_true.png"))
     return paths
 
 

@@ -69,3 +69,14 @@ def tiny_hf_dir(tmp_path_factory, smollm2_dir) -> Path:
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_dir(tmp_path_factory, tiny_hf_dir) -> Path:
+    """A random 1-layer drafter (block 4) saved for the tiny HF target."""
+    from adaflash.target import load_target
+
+    t = load_target(str(tiny_hf_dir), "float32")
+    torch.manual_seed(0)
+    d = Drafter(DrafterConfig.for_target(t.model, t.identity, num_layers=1, block_size=4), t.model)
+    return d.save(tmp_path_factory.mktemp("drafter"), dtype=torch.float32)

@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-
 from adaflash.cli import main
-from adaflash.drafter import Drafter, DrafterConfig
-from adaflash.target import load_target
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory, tiny_hf_dir):
-    t = load_target(str(tiny_hf_dir), "float32")
-    torch.manual_seed(0)
-    d = Drafter(DrafterConfig.for_target(t.model, t.identity, num_layers=1, block_size=4), t.model)
-    return d.save(tmp_path_factory.mktemp("drafter"), dtype=torch.float32)
-
-
-def test_fit_head_then_bench_all_methods(tiny_hf_dir, drafter_dir, tmp_path, capsys):
+def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?", "domain": "math"}) + "\n" for i in range(6)))
-    common = ["--target", str(tiny_hf_dir), "--drafter", str(drafter_dir), "--prompts-file", str(prompts), "--max-new-tokens", "10"]
+    common = ["--target", str(tiny_hf_dir), "--drafter", str(tiny_drafter_dir), "--prompts-file", str(prompts), "--max-new-tokens", "10"]
     assert main(["fit-head", *common, "--concurrency", "3", "--epochs", "2"]) == 0
-    metrics = json.loads((drafter_dir / "length_head.json").read_text())["metrics"]
+    metrics = json.loads((tiny_drafter_dir / "length_head.json").read_text())["metrics"]
     assert metrics["rounds"] > 0 and metrics["n_val"] > 0
     out = tmp_path / "bench"
     code = main(["bench", *common, "--methods", "ar,fixed,fixed2,ema,head,hf,hf-pld", "--concurrency", "1,3",

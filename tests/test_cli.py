@@ -7,19 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from adaflash.cli import main
-from adaflash.drafter import Drafter, DrafterConfig
-from adaflash.target import load_target
-
-
-@pytest.fixture(scope="module")
-def tiny_drafter_dir(tmp_path_factory, tiny_hf_dir):
-    t = load_target(str(tiny_hf_dir), "float32")
-    torch.manual_seed(0)
-    d = Drafter(DrafterConfig.for_target(t.model, t.identity, num_layers=1, block_size=4), t.model)
-    return d.save(tmp_path_factory.mktemp("drafter"), dtype=torch.float32)
 
 
 def run(args, capsys):
