@@ -186,7 +186,7 @@ class Drafter(nn.Module):
     def draft_many(self, caches: list[KVCache], last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Ragged batch of `draft`: one block per request, each attending to its own context cache.
         last_tokens [R] -> (draft logits [R, K-1, V] fp32, block hidden states [R, K, H])."""
-        k_blk, r = self.block_size, len(caches)
+        k_blk = self.block_size
         x = self.block_input(last_tokens)  # [R, K, H]
         positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk)  # [R, K]
         cos, sin = self.rotary(positions, x.dtype)

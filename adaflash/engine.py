@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from adaflash.drafter import Drafter
-from adaflash.spec import pick, probs, verify_greedy, verify_sampling
+from adaflash.spec import pick, propose, verify
 from adaflash.target import KVCache, TargetModel
 
 
@@ -232,17 +232,11 @@ class Engine:
         lens = self._fit_budget(lens)
         drafts, qs = [], []
         for i, (s, n) in enumerate(zip(active, lens)):
-            k = n - 1
-            if k == 0:
-                drafts.append(torch.zeros(0, dtype=torch.long))
-                qs.append(None)
-            elif s.req.temperature > 0:
-                q = probs(draft_logits[i, :k], s.req.temperature)  # [k, V]
-                drafts.append(torch.multinomial(q, 1, generator=s.gen)[:, 0])
-                qs.append(q)
-            else:
-                drafts.append(draft_logits[i, :k].argmax(-1))
-                qs.append(None)
+            d, q = torch.zeros(0, dtype=torch.long), None
+            if n > 1:
+                d, q = propose(draft_logits[i, : n - 1], s.req.temperature, s.gen)  # [k], [k, V] or None
+            drafts.append(d)
+            qs.append(q)
         inputs = [torch.cat([last[i : i + 1], d]) for i, d in enumerate(drafts)]
         logits, feats = self.target.forward_packed(inputs, [s.tcache for s in active])
         self.stats["verify_tokens"] += sum(lens)
@@ -250,20 +244,14 @@ class Engine:
         accepted, new_feats = [], []
         for i, s in enumerate(active):
             d, lg, k = drafts[i], logits[i], lens[i] - 1  # lg: [k+1, V]
-            if s.req.temperature > 0 and k > 0:
-                n, nxt = verify_sampling(d[None], qs[i][None], probs(lg[None], s.req.temperature), s.gen)
-            elif s.req.temperature > 0:
-                n, nxt = torch.zeros(1, dtype=torch.long), pick(lg[-1:], s.req.temperature, s.gen)
-            else:
-                n, nxt = verify_greedy(d[None], lg[None])
-            n = int(n[0])
+            n, nxt = verify(d, qs[i], lg, s.req.temperature, s.gen)
             s.tcache.crop(s.tcache.length - (k - n))
             new_feats.append(feats[i][: 1 + n])
             before = len(s.out)
             s.rounds.append(Round(anchor=len(s.req.prompt_ids) + before - 1, draft=d.tolist(),
                                   target=lg[:k].argmax(-1).tolist(), accepted=n, verify_len=lens[i], pred=preds[i],
                                   hidden=hidden[i].clone() if self.keep_hidden and hidden is not None else None))
-            self._commit(s, d[:n].tolist() + [int(nxt[0])])
+            self._commit(s, d[:n].tolist() + [nxt])
             self.stats["committed"] += len(s.out) - before
             s.ema_verify = (1 - self.ema_alpha) * s.ema_verify + self.ema_alpha * lens[i]
             accepted.append(n)

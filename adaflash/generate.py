@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adaflash.drafter import Drafter
-from adaflash.spec import pick, probs, verify_greedy, verify_sampling
+from adaflash.spec import pick, propose, verify
 from adaflash.target import TargetModel
 
 
@@ -100,27 +100,16 @@ def generate_dflash(
     while not done:
         k = min(n_verify, max_new_tokens - len(out) - 1)  # never draft past the budget
         last = torch.tensor([out[-1]])
+        draft, q = torch.zeros(0, dtype=torch.long), None
         if k > 0:
             draft_logits, _ = drafter.draft(dcache, last, n_logits=k)  # [1, k, V]
-            if temperature > 0:
-                q = probs(draft_logits, temperature)  # [1, k, V]
-                draft = torch.multinomial(q[0], 1, generator=gen).T  # [1, k]
-            else:
-                draft = draft_logits.argmax(-1)  # [1, k]
-        else:
-            draft = torch.zeros(1, 0, dtype=torch.long)
-        logits, feats = model(torch.cat([last[None], draft], dim=1), tcache)  # [1, k+1, V]
-        if temperature > 0 and k > 0:
-            n, nxt = verify_sampling(draft, q, probs(logits, temperature), gen)
-        elif temperature > 0:
-            n, nxt = torch.zeros(1, dtype=torch.long), pick(logits[:, -1], temperature, gen)
-        else:
-            n, nxt = verify_greedy(draft, logits)
-        n = int(n[0])
+            draft, q = propose(draft_logits[0], temperature, gen)  # [k], [k, V] or None
+        logits, feats = model(torch.cat([last, draft])[None], tcache)  # [1, k+1, V]
+        n, nxt = verify(draft, q, logits[0], temperature, gen)
         tcache.crop(tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
         drafter.extend_context(feats[:, : 1 + n], dcache)
         before = len(out)
-        out, done = _stop(out + draft[0, :n].tolist() + [int(nxt[0])], eos, max_new_tokens)
+        out, done = _stop(out + draft[:n].tolist() + [nxt], eos, max_new_tokens)
         res.target_forwards += 1
         res.rounds += 1
         res.committed += len(out) - before

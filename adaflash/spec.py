@@ -68,3 +68,23 @@ def verify_sampling(
     total = residual.sum(-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_n)  # q == p: fall back to p
     return n, sample(residual, generator)
+
+
+def propose(draft_logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One request's drafts from its drafter logits [k, V] -> (draft [k], q [k, V] or None when greedy)."""
+    if temperature <= 0:
+        return draft_logits.argmax(-1), None
+    q = probs(draft_logits, temperature)
+    return torch.multinomial(q, 1, generator=generator)[:, 0], q
+
+
+def verify(draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor, temperature: float,
+           generator: torch.Generator | None) -> tuple[int, int]:
+    """One request's round: draft [k], target_logits [k+1, V] -> (accepted drafts, next token)."""
+    if temperature <= 0:
+        n, nxt = verify_greedy(draft[None], target_logits[None])
+    elif draft.numel() == 0:  # nothing drafted: a plain sampled step
+        return 0, int(pick(target_logits[-1], temperature, generator))
+    else:
+        n, nxt = verify_sampling(draft[None], q[None], probs(target_logits[None], temperature), generator)
+    return int(n[0]), int(nxt[0])
