@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -249,7 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--lr", type=float, default=2e-4)
     _add_prompt_args(f, "train", 64)
     f.set_defaults(func=cmd_fit_head)
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return p
+
+
+# Subcommands that live beside their component: each module has register(subparsers), which adds one
+# or more subparsers with set_defaults(func=...) (the func returns an exit code, raises UsageError).
+COMMAND_MODULES: list[str] = []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,16 @@ leave between steps. Greedy output equals single-request output; sampling is los
 Admission is bounded by a token budget per step: an exponential moving average of each request's
 recent verify lengths estimates its next demand, and verify lengths are trimmed if a step would
 exceed the budget, so the engine never over-commits.
+
+Hot-swap: `swap()` (any thread) stages a new drafter (+ length head, version); the next step makes
+it live for requests admitted from then on. A running request keeps the drafter it started with,
+because its drafter KV cache was built by that drafter's projections; the old one is dropped when
+its last request finishes. So a swap never stalls a step and never fails a request.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -47,12 +53,23 @@ class Round:
     accepted: int
     verify_len: int  # tokens verified incl. the anchor
     pred: float  # length-head prediction (nan without a head)
+    t_ns: int = 0  # wall-clock time of the verification
     hidden: torch.Tensor | None = None  # [K, H] drafter block states, kept when collecting head data
+
+
+@dataclass
+class DrafterSlot:
+    """A live drafter with its length head and registry version."""
+
+    drafter: Drafter | None
+    head: object | None = None  # LengthHead trained on this drafter's block states
+    version: str = "0"
 
 
 @dataclass
 class RequestState:
     req: Request
+    slot: DrafterSlot
     tcache: KVCache
     dcache: KVCache | None
     gen: torch.Generator
@@ -130,19 +147,25 @@ class HeadPolicy(VerifyPolicy):
     def lengths(self, states, hidden, k_blk):
         from adaflash.length_head import verify_length
 
-        c = self.head.config
+        head = states[0].slot.head or self.head  # the head that belongs to these requests' drafter
+        c = head.config
         with torch.no_grad():
-            pred = self.head(hidden.float())  # [R]
+            pred = head(hidden.float())  # [R]
         lens = verify_length(pred, k_blk, c.rate, c.min_len)
         return lens.tolist(), pred.tolist()
 
 
 class Engine:
     def __init__(self, target: TargetModel, drafter: Drafter | None, policy: VerifyPolicy, eos_ids: list[int],
-                 max_batch: int = 32, token_budget: int = 512, ema_alpha: float = 0.3, keep_hidden: bool = False):
+                 max_batch: int = 32, token_budget: int = 512, ema_alpha: float = 0.3, keep_hidden: bool = False,
+                 head=None, version: str = "0"):
         if policy.drafts and drafter is None:
             raise ValueError(f"policy {policy.name} needs a drafter")
-        self.target, self.drafter, self.policy = target, drafter, policy
+        self.target, self.policy = target, policy
+        self.slot = DrafterSlot(drafter, head, version)
+        self._lock = threading.Lock()
+        self._pending: DrafterSlot | None = None
+        self._cancel: set[str] = set()
         self.eos = set(eos_ids)
         self.max_batch, self.token_budget, self.ema_alpha = max_batch, token_budget, ema_alpha
         self.keep_hidden = keep_hidden
@@ -150,7 +173,48 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[RequestState] = []
         self.finished: list[RequestState] = []
-        self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "max_step_tokens": 0}
+        self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "max_step_tokens": 0, "swaps": 0}
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.slot.drafter
+
+    @property
+    def version(self) -> str:
+        return self.slot.version
+
+    def swap(self, drafter: Drafter, head=None, version: str = "0") -> None:
+        """Stage a new drafter (thread-safe); it goes live at the start of the next step."""
+        if drafter.block_size != self.k_blk:
+            raise ValueError(f"drafter block size {drafter.block_size} != engine block size {self.k_blk}")
+        with self._lock:
+            self._pending = DrafterSlot(drafter, head, version)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a waiting or running request (thread-safe); it finishes with reason 'cancelled'."""
+        with self._lock:
+            self._cancel.add(request_id)
+
+    def _apply_control(self) -> list[RequestState]:
+        with self._lock:
+            pending, self._pending = self._pending, None
+            cancel, self._cancel = self._cancel, set()
+        if pending is not None:
+            self.slot = pending
+            self.stats["swaps"] += 1
+        dropped = []
+        if cancel:
+            keep = deque()
+            for r in self.waiting:
+                if r.request_id in cancel:
+                    dropped.append(RequestState(r, self.slot, None, None, None, finish_reason="cancelled"))
+                else:
+                    keep.append(r)
+            self.waiting = keep
+            for s in self.running:
+                if s.req.request_id in cancel and s.finish_reason is None:
+                    s.finish_reason = "cancelled"
+        return dropped
 
     def submit(self, req: Request) -> None:
         limit = self.target.config.max_position_embeddings
@@ -177,7 +241,8 @@ class Engine:
             req = self.waiting.popleft()
             budget -= len(req.prompt_ids)
             cap = len(req.prompt_ids) + req.max_new_tokens + self.k_blk + 1
-            st = RequestState(req, self.target.new_cache(1, cap), self.drafter.new_cache(1, cap) if self.policy.drafts else None,
+            st = RequestState(req, self.slot, self.target.new_cache(1, cap),
+                              self.drafter.new_cache(1, cap) if self.policy.drafts else None,
                               torch.Generator().manual_seed(req.seed), t_start=time.perf_counter())
             st.ema_verify = float(self.k_blk)
             new.append(st)
@@ -185,7 +250,7 @@ class Engine:
             return []
         logits, feats = self.target.forward_packed([torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new])
         if self.policy.drafts:
-            self.drafter.extend_many(feats, [s.dcache for s in new])
+            self.slot.drafter.extend_many(feats, [s.dcache for s in new])
         for st, lg in zip(new, logits):
             st.t_first = time.perf_counter()
             self._commit(st, [int(pick(lg[-1], st.req.temperature, st.gen))])
@@ -209,11 +274,12 @@ class Engine:
 
     def step(self) -> list[RequestState]:
         """One engine step; returns the requests that finished in it."""
+        cancelled = self._apply_control()
         self.running += self._admit()
         active = [s for s in self.running if s.finish_reason is None]
         if active:
             self._speculate(active)
-        done = [s for s in self.running if s.finish_reason is not None]
+        done = cancelled + [s for s in self.running if s.finish_reason is not None]
         for s in done:
             s.t_done = time.perf_counter()
         self.running = [s for s in self.running if s.finish_reason is None]
@@ -225,16 +291,25 @@ class Engine:
         k_blk = self.k_blk
         last = torch.tensor([s.out[-1] for s in active])
         hidden = draft_logits = None
+        groups = self._groups(active)  # requests per live drafter (more than one only around a swap)
+        lens, preds = [0] * len(active), [float("nan")] * len(active)
         if self.policy.drafts:
-            draft_logits, hidden = self.drafter.draft_many([s.dcache for s in active], last)  # [R, K-1, V], [R, K, H]
-        lens, preds = self.policy.lengths(active, hidden, k_blk)
+            draft_logits = [None] * len(active)
+            hidden = [None] * len(active)
+            for slot, idx in groups:
+                dl, hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx])  # [r, K-1, V], [r, K, H]
+                gl, gp = self.policy.lengths([active[i] for i in idx], hd, k_blk)
+                for j, i in enumerate(idx):
+                    draft_logits[i], hidden[i], lens[i], preds[i] = dl[j], hd[j], gl[j], gp[j]
+        else:
+            lens, preds = self.policy.lengths(active, None, k_blk)
         lens = [max(1, min(n, s.req.max_new_tokens - len(s.out))) for n, s in zip(lens, active)]  # never past the budget
         lens = self._fit_budget(lens)
         drafts, qs = [], []
         for i, (s, n) in enumerate(zip(active, lens)):
             d, q = torch.zeros(0, dtype=torch.long), None
             if n > 1:
-                d, q = propose(draft_logits[i, : n - 1], s.req.temperature, s.gen)  # [k], [k, V] or None
+                d, q = propose(draft_logits[i][: n - 1], s.req.temperature, s.gen)  # [k], [k, V] or None
             drafts.append(d)
             qs.append(q)
         inputs = [torch.cat([last[i : i + 1], d]) for i, d in enumerate(drafts)]
@@ -245,19 +320,28 @@ class Engine:
         for i, s in enumerate(active):
             d, lg, k = drafts[i], logits[i], lens[i] - 1  # lg: [k+1, V]
             n, nxt = verify(d, qs[i], lg, s.req.temperature, s.gen)
+            t_ns = time.time_ns()
             s.tcache.crop(s.tcache.length - (k - n))
             new_feats.append(feats[i][: 1 + n])
             before = len(s.out)
             s.rounds.append(Round(anchor=len(s.req.prompt_ids) + before - 1, draft=d.tolist(),
-                                  target=lg[:k].argmax(-1).tolist(), accepted=n, verify_len=lens[i], pred=preds[i],
+                                  target=lg[:k].argmax(-1).tolist(), accepted=n, verify_len=lens[i], pred=preds[i], t_ns=t_ns,
                                   hidden=hidden[i].clone() if self.keep_hidden and hidden is not None else None))
             self._commit(s, d[:n].tolist() + [nxt])
             self.stats["committed"] += len(s.out) - before
             s.ema_verify = (1 - self.ema_alpha) * s.ema_verify + self.ema_alpha * lens[i]
             accepted.append(n)
         if self.policy.drafts:
-            self.drafter.extend_many(new_feats, [s.dcache for s in active])
+            for slot, idx in groups:
+                slot.drafter.extend_many([new_feats[i] for i in idx], [active[i].dcache for i in idx])
         self.policy.observe(active, accepted)
+
+    @staticmethod
+    def _groups(active: list[RequestState]) -> list[tuple[DrafterSlot, list[int]]]:
+        groups: dict[int, tuple[DrafterSlot, list[int]]] = {}
+        for i, s in enumerate(active):
+            groups.setdefault(id(s.slot), (s.slot, []))[1].append(i)
+        return list(groups.values())
 
     def _fit_budget(self, lens: list[int]) -> list[int]:
         """Trim the longest verify lengths until the step fits the token budget (each keeps >= 1)."""
@@ -266,6 +350,14 @@ class Engine:
             i = lens.index(max(lens))
             lens[i] -= 1
         return lens
+
+    def trajectory(self, st: RequestState, writer_id: str):
+        """A finished request as a trajectory-buffer row (adaflash.buffer.Trajectory)."""
+        from adaflash import buffer
+
+        rounds = [buffer.Round(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns) for r in st.rounds]
+        return buffer.Trajectory(st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out),
+                                 rounds, domain=st.req.domain)
 
     def run(self, requests: list[Request]) -> list[RequestState]:
         """Submit all, step until every request finished; -> states in submission order."""

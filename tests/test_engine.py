@@ -79,3 +79,48 @@ def test_stop_callback_and_context_limit():
     assert len(s.out) == 4 and s.finish_reason == "stop"
     with pytest.raises(ValueError, match="context"):
         Engine(target, drafter, FixedPolicy(), eos_ids=[]).submit(Request("b", [1] * 8190, 10))
+
+
+def test_swap_between_steps_keeps_running_requests_lossless():
+    """A swap mid-generation: running requests keep their drafter, new ones get the new one; greedy
+    output still equals plain decoding and no request fails."""
+    import copy
+
+    target = tiny_target(9)
+    drafter = tiny_drafter(target, 9)
+    other = copy.deepcopy(drafter)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    engine = Engine(target, drafter, FixedPolicy(), eos_ids=[], max_batch=4, version="1")
+    reqs = [Request(f"r{i}", [1 + i, 2, 3], 24) for i in range(3)]
+    for r in reqs[:2]:
+        engine.submit(r)
+    engine.step()
+    engine.swap(other, version="2")
+    engine.submit(reqs[2])
+    while not engine.idle:
+        engine.step()
+    by_id = {s.req.request_id: s for s in engine.finished}
+    assert engine.stats["swaps"] == 1 and engine.version == "2"
+    assert [by_id[r.request_id].slot.version for r in reqs] == ["1", "1", "2"]
+    for r in reqs:
+        ar = generate_ar(target, r.prompt_ids, 24, [])
+        assert by_id[r.request_id].out == ar.output_ids
+    traj = engine.trajectory(by_id["r2"], "w0")
+    assert traj.drafter_version == "2" and traj.output_ids == by_id["r2"].out
+    assert len(traj.rounds) == len(by_id["r2"].rounds) and all(rd.t_ns > 0 for rd in traj.rounds)
+
+
+def test_cancel_waiting_and_running():
+    target = tiny_target(10)
+    engine = Engine(target, tiny_drafter(target, 10), FixedPolicy(), eos_ids=[], max_batch=1)
+    engine.submit(Request("run", [1, 2, 3], 40))
+    engine.submit(Request("wait", [1, 2, 3], 40))
+    engine.step()
+    engine.cancel("run")
+    engine.cancel("wait")
+    done = engine.step()
+    assert {s.req.request_id: s.finish_reason for s in done} == {"run": "cancelled", "wait": "cancelled"}
+    assert engine.idle
