@@ -164,7 +164,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.model.dtype).eval()
     prompts = _bench_prompts(args, target)
     rows = bench(target, drafter, head, hf_model, target.tokenizer.pad_token_id or target.eos_ids[0],
-                 prompts, methods, concurrency, args.max_new_tokens, args.token_budget)
+                 prompts, methods, concurrency, args.max_new_tokens, args.token_budget, args.min_requests)
     meta = {"command": "adaflash " + " ".join(sys.argv[1:]), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"torch threads {__import__('torch').get_num_threads()}", "max_new_tokens": args.max_new_tokens,
             "token_budget": args.token_budget, "target": target.identity, "dtype": args.dtype}
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--token-budget", type=int, default=512, help="max verify tokens per engine step (admission bound)")
     b.add_argument("--out", default="runs/bench", help="output folder")
+    b.add_argument("--min-requests", type=int, default=0,
+                   help="each cell runs max(this, concurrency) prompts of its domain (0 = all --n-prompts)")
     _add_prompt_args(b, "eval", 8)
     b.set_defaults(func=cmd_bench)
 

@@ -108,12 +108,16 @@ def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, 
 
 
 def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[str, list[BenchPrompt]],
-          methods: list[str], concurrency: list[int], max_new: int, token_budget: int) -> list[dict]:
+          methods: list[str], concurrency: list[int], max_new: int, token_budget: int, min_requests: int = 0) -> list[dict]:
+    """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
+    prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable."""
     rows = []
     cells = [(d, c) for d in prompts_by_domain for c in concurrency]
     bar = tqdm(total=len(cells) * len(methods), desc="bench", unit="run")
     for ci, (domain, conc) in enumerate(cells):
         prompts = prompts_by_domain[domain]
+        if min_requests:
+            prompts = prompts[: max(min_requests, conc)]
         order = methods[ci % len(methods) :] + methods[: ci % len(methods)]  # rotate: noise hits all alike
         cell = {}
         for m in order:

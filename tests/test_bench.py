@@ -31,3 +31,8 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert (out / "throughput.png").exists() and (out / "head_pred_vs_true.png").exists()
     assert "| math | 3 | head |" in (out / "report.md").read_text()
     assert main(["bench", *common, "--methods", "warp"]) == 2
+    # --min-requests: a cell runs max(min_requests, concurrency) prompts
+    assert main(["bench", *common, "--methods", "ar,fixed", "--concurrency", "1,3", "--min-requests", "2",
+                 "--out", str(tmp_path / "b2")]) == 0
+    rows = json.loads((tmp_path / "b2" / "results.json").read_text())["rows"]
+    assert {(r["concurrency"], r["n_requests"]) for r in rows} == {(1, 2), (3, 3)}
