@@ -8,6 +8,7 @@ dataclass's `__post_init__` checks. Every YAML in configs/ starts with the comma
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +26,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
