@@ -80,3 +80,53 @@ def tiny_drafter_dir(tmp_path_factory, tiny_hf_dir) -> Path:
     torch.manual_seed(0)
     d = Drafter(DrafterConfig.for_target(t.model, t.identity, num_layers=1, block_size=4), t.model)
     return d.save(tmp_path_factory.mktemp("drafter"), dtype=torch.float32)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> str:
+    """A real `mlflow server` (started through `adaflash mlflow`) on a free loopback port, SQLite store and
+    proxied artifacts in a temp folder, shared by the session; -> its URL. Teardown checks it really stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from adaflash.registry import wait_ready
+
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = root / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "adaflash.cli", "mlflow", "--port", str(port), "--workers", "1",
+                                 "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                                 "--artifacts-destination", str(root / "artifacts")],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(url, 180, proc)
+        deadline = time.monotonic() + 10
+        while f"MLflow UI: {url}" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert f"MLflow UI: {url}" in log.read_text(), f"`adaflash mlflow` printed no UI URL:\n{log.read_text()[-2000:]}"
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)  # `adaflash mlflow` stops its server process group on SIGTERM
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        urllib.request.urlopen(url + "/health", timeout=2)
+    except OSError:
+        return
+    raise AssertionError(f"mlflow server at {url} still answers after `adaflash mlflow` was stopped")

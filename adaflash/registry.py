@@ -1,0 +1,432 @@
+"""Drafter versions in the MLflow model registry, and hot-swapping the serving drafter from it.
+
+- `start_mlflow_server` / `wait_ready` / `stop_mlflow_server`: a real `mlflow server` (SQLite store and
+  local artifacts by default; Postgres / S3 by URI) that proxies artifacts, so clients share no disk.
+- `Registry`: register a drafter directory as a model version (files logged under `drafter/` of an
+  MLflow run, version created from `runs:/<run>/drafter`), read / move the `champion` alias, list
+  versions, download a version (safetensors + JSON only, cached per version). Every call retries
+  connection failures with exponential backoff, then raises `RegistryUnavailable`.
+- `bootstrap`: the first drafter becomes version 1 and champion; later calls return the champion.
+- `HotSwapper`: a daemon thread that polls the champion alias and swaps the engine's drafter when it
+  moves (moving it back to an older version is a rollback). A version that does not fit the target
+  (other target, wrong shapes, non-finite weights) is refused once and remembered; the old drafter
+  keeps serving, as it does while the registry is down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("adaflash.registry")
+
+CHAMPION = "champion"
+EXPERIMENT = "adaflash"
+ARTIFACT_PATH = "drafter"
+DOWNLOAD_SUFFIXES = (".safetensors", ".json")  # what a server ever loads: no pickles
+PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt")  # never registered
+
+
+# ----------------------------------------------------------------------------- the tracking server
+def default_store_uri() -> str:
+    """MLFLOW_BACKEND_STORE_URI (e.g. postgresql://...) or SQLite under runs/mlflow/ of the cwd."""
+    return os.environ.get("MLFLOW_BACKEND_STORE_URI") or f"sqlite:///{Path('runs/mlflow/mlflow.db').resolve()}"
+
+
+def default_artifacts_destination() -> str:
+    """MLFLOW_ARTIFACTS_DESTINATION (e.g. s3://bucket/prefix) or runs/mlflow/artifacts of the cwd."""
+    return os.environ.get("MLFLOW_ARTIFACTS_DESTINATION") or str(Path("runs/mlflow/artifacts").resolve())
+
+
+def _mlflow_cli() -> list[str]:
+    """The mlflow CLI of this interpreter's environment (the venv's), not whatever is on PATH."""
+    script = Path(sys.executable).parent / "mlflow"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mlflow"]
+
+
+def start_mlflow_server(host: str = "127.0.0.1", port: int = 5000, store_uri: str | None = None,
+                        artifacts_dir: str | None = None, log_path: str | Path | None = None, workers: int = 1,
+                        allowed_hosts: str | None = None) -> subprocess.Popen:
+    """Start `mlflow server` serving artifacts itself (--serve-artifacts: clients upload/download through
+    it). It runs in its own process group, so `stop_mlflow_server` ends its uvicorn workers too.
+    log_path: server output goes there (None: inherit this process's stdout/stderr)."""
+    store_uri = store_uri or default_store_uri()
+    artifacts_dir = artifacts_dir or default_artifacts_destination()
+    if store_uri.startswith("sqlite:///"):
+        Path(store_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if "://" not in artifacts_dir:
+        Path(artifacts_dir).mkdir(parents=True, exist_ok=True)
+    cmd = _mlflow_cli() + ["server", "--host", host, "--port", str(port), "--workers", str(workers),
+                           "--backend-store-uri", store_uri, "--serve-artifacts", "--artifacts-destination", artifacts_dir]
+    if allowed_hosts:
+        cmd += ["--allowed-hosts", allowed_hosts]
+    env = dict(os.environ)
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # GenAI job runners: not used, 5 processes less
+    out = open(log_path, "ab") if log_path else None
+    try:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
+                                start_new_session=True)
+    finally:
+        if out:
+            out.close()
+    log.info("mlflow server starting (pid %d): store %s, artifacts %s", proc.pid, store_uri, artifacts_dir)
+    return proc
+
+
+def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll `<url>/health` until it answers 200; raises TimeoutError (or RuntimeError if `proc` exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with code {proc.returncode} before it was ready (see its log)")
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"mlflow server at {url} not ready after {timeout:.0f} s (see its log)")
+
+
+def stop_mlflow_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM the server's whole process group (mlflow + its uvicorn workers); SIGKILL what is left
+    after `timeout`. Returns once every process of the group is gone."""
+    def group_alive() -> bool:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    if not group_alive():
+        proc.poll()
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, or the group stays alive as a zombie
+        if not group_alive():
+            return
+        time.sleep(0.1)
+    log.warning("mlflow server (pid %d) ignored SIGTERM for %.0f s: killing it", proc.pid, timeout)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+# ----------------------------------------------------------------------------- the registry client
+class RegistryUnavailable(RuntimeError):
+    """The MLflow server did not answer after all retries."""
+
+
+def _transient(e: BaseException) -> bool:
+    """Connection refused / reset / timeout or 502-504 anywhere in the exception chain."""
+    import requests
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError, TimeoutError)):
+            return True
+        if getattr(e, "error_code", None) == "TEMPORARILY_UNAVAILABLE":
+            return True
+        if type(e).__name__ == "RestException" and e.get_http_status_code() in (502, 503, 504):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _root(e: BaseException) -> str:
+    """'ConnectionRefusedError' rather than the MlflowException wrapping it."""
+    for _ in range(16):  # chains are short; the bound guards against cycles
+        if (e.__cause__ or e.__context__) is None:
+            break
+        e = e.__cause__ or e.__context__
+    return type(e).__name__
+
+
+class Registry:
+    """The drafter's registered model on an MLflow tracking server."""
+
+    def __init__(self, tracking_uri: str, model_name: str = "adaflash-drafter", retries: int = 5, backoff_s: float = 0.5):
+        # This class owns retries: MLflow's own (7, exponential) would stall a dead-server call for minutes.
+        # Process-wide: other MLflow calls in this process should go through `call` to keep retrying.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        from mlflow import MlflowClient
+
+        self.tracking_uri, self.model_name = tracking_uri, model_name
+        self.retries, self.backoff_s = retries, backoff_s
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    def call(self, what: str, fn: Callable):
+        """fn() with this registry's retries: connection failures are retried with exponential backoff
+        (each retry logged), then RegistryUnavailable. Also for callers' own MLflow calls (e.g.
+        `registry.call("log metrics", lambda: registry.client.log_metric(...))`)."""
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except Exception as e:
+                if not _transient(e):
+                    raise
+                if attempt == self.retries:
+                    raise RegistryUnavailable(
+                        f"MLflow at {self.tracking_uri} unreachable after {attempt + 1} attempts ({what}): start it "
+                        f"with `adaflash mlflow` or fix the tracking URI") from e
+                delay = self.backoff_s * 2 ** attempt
+                log.warning("MLflow at %s unreachable (%s: %s); retry %d/%d in %.2f s", self.tracking_uri, what,
+                            _root(e), attempt + 1, self.retries, delay)
+                time.sleep(delay)
+
+    @staticmethod
+    def _missing(e: Exception) -> bool:
+        code = getattr(e, "error_code", None)
+        return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in str(e))
+
+    def _experiment_id(self) -> str:
+        exp = self.call("get experiment", lambda: self.client.get_experiment_by_name(EXPERIMENT))
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self.call("create experiment", lambda: self.client.create_experiment(EXPERIMENT))
+        except Exception as e:  # created meanwhile by another process
+            if getattr(e, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return self.call("get experiment", lambda: self.client.get_experiment_by_name(EXPERIMENT)).experiment_id
+
+    def _ensure_model(self) -> None:
+        try:
+            self.call("get model", lambda: self.client.get_registered_model(self.model_name))
+        except Exception as e:
+            if not self._missing(e):
+                raise
+            try:
+                self.call("create model", lambda: self.client.create_registered_model(
+                    self.model_name, description="AdaFlash block drafter; alias `champion` is what servers load"))
+            except Exception as e2:
+                if getattr(e2, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+                    raise
+
+    def register(self, drafter_dir: str | Path, *, run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
+        """Log the drafter directory's files under `drafter/` of run `run_id` (a new run in experiment
+        'adaflash' if None) and create a model version from it; -> the version string."""
+        drafter_dir = Path(drafter_dir)
+        cfg_path = drafter_dir / "config.json"
+        if not cfg_path.exists() or not (drafter_dir / "model.safetensors").exists():
+            raise FileNotFoundError(f"{drafter_dir} is not a drafter directory (needs config.json and model.safetensors)")
+        identity = json.loads(cfg_path.read_text()).get("target")
+        if not identity:
+            raise ValueError(f"{cfg_path} records no target identity ('target'): save drafters with Drafter.save")
+        files = []
+        for f in sorted(p for p in drafter_dir.rglob("*") if p.is_file()):
+            if f.suffix in PICKLE_SUFFIXES:
+                log.warning("not registering %s: pickle-format files are never loaded by servers", f)
+            else:
+                files.append(f)
+        own_run = run_id is None
+        if own_run:
+            exp = self._experiment_id()
+            run_id = self.call("create run", lambda: self.client.create_run(
+                exp, tags={"mlflow.runName": f"register-{drafter_dir.name}"}).info.run_id)
+        for f in files:
+            rel = f.relative_to(drafter_dir).parent
+            dest = ARTIFACT_PATH if rel == Path(".") else f"{ARTIFACT_PATH}/{rel.as_posix()}"
+            self.call(f"upload {f.name}", lambda f=f, dest=dest: self.client.log_artifact(run_id, str(f), dest))
+        if own_run:
+            self.call("end run", lambda: self.client.set_terminated(run_id))
+        self._ensure_model()
+        all_tags = {k: str(v) for k, v in (tags or {}).items()}
+        all_tags["target_identity"] = json.dumps(identity, sort_keys=True)
+        mv = self.call("create version", lambda: self.client.create_model_version(
+            self.model_name, f"runs:/{run_id}/{ARTIFACT_PATH}", run_id=run_id, tags=all_tags))
+        log.info("registered %s as %s version %s (run %s)", drafter_dir, self.model_name, mv.version, run_id)
+        return str(mv.version)
+
+    def champion(self) -> str | None:
+        """The version behind alias `champion`; None when there is no alias or no model yet."""
+        try:
+            mv = self.call("read champion", lambda: self.client.get_model_version_by_alias(self.model_name, CHAMPION))
+        except Exception as e:
+            if self._missing(e):
+                return None
+            raise
+        return str(mv.version)
+
+    def set_champion(self, version: str) -> None:
+        """Point `champion` at `version` (servers swap to it on their next poll; an older one = rollback)."""
+        self.call("set champion", lambda: self.client.set_registered_model_alias(self.model_name, CHAMPION, str(version)))
+        log.info("%s@%s -> version %s", self.model_name, CHAMPION, version)
+
+    def tag_version(self, version: str, key: str, value: str) -> None:
+        self.call("tag version", lambda: self.client.set_model_version_tag(self.model_name, str(version), key, str(value)))
+
+    def versions(self) -> list[dict]:
+        """[{version, tags, aliases, run_id, created_ms}] in version order; [] when the model does not exist."""
+        try:
+            model = self.call("get model", lambda: self.client.get_registered_model(self.model_name))
+        except Exception as e:
+            if self._missing(e):
+                return []
+            raise
+        found = self.call("list versions", lambda: self.client.search_model_versions(f"name='{self.model_name}'"))
+        aliases: dict[str, list[str]] = {}
+        for alias, v in (model.aliases or {}).items():
+            aliases.setdefault(str(v), []).append(alias)
+        rows = [{"version": str(mv.version), "tags": dict(mv.tags or {}), "aliases": sorted(aliases.get(str(mv.version), [])),
+                 "run_id": mv.run_id, "created_ms": mv.creation_timestamp} for mv in found]
+        return sorted(rows, key=lambda r: int(r["version"]))
+
+    def download(self, version: str, dest_root: str | Path) -> Path:
+        """Local directory with the version's safetensors + JSON files; cached (versions are immutable)."""
+        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+        dest = Path(dest_root) / f"{self.model_name}-v{version}"
+        if (dest / "config.json").exists() and (dest / "model.safetensors").exists():
+            return dest
+        mv = self.call("get version", lambda: self.client.get_model_version(self.model_name, str(version)))
+        if not str(mv.source).startswith("runs:/"):
+            raise ValueError(f"{self.model_name} version {version} comes from {mv.source}, not from Registry.register "
+                             f"(runs:/<run>/{ARTIFACT_PATH}): register drafters with `adaflash registry` or Registry.register")
+        run_id, path = RunsArtifactRepository.parse_runs_uri(mv.source)
+        listing = self.call("list files", lambda: self.client.list_artifacts(run_id, path))
+        tmp = Path(dest_root) / f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            for f in listing:
+                if not f.is_dir and f.path.endswith(DOWNLOAD_SUFFIXES):
+                    self.call(f"download {f.path}", lambda f=f: self.client.download_artifacts(run_id, f.path, str(tmp)))
+            if not (tmp / "config.json").exists() or not (tmp / "model.safetensors").exists():
+                raise ValueError(f"{self.model_name} version {version} holds no drafter (config.json + model.safetensors)")
+            try:
+                os.replace(tmp, dest)
+            except OSError:  # another thread/process finished the same version first
+                if not (dest / "model.safetensors").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("downloaded %s version %s to %s", self.model_name, version, dest)
+        return dest
+
+
+def bootstrap(registry: Registry, drafter_dir: str | Path) -> str:
+    """Registry without versions: register `drafter_dir` as the first version and make it champion.
+    Otherwise -> the current champion (re-pointed at the first version if the alias was lost)."""
+    rows = registry.versions()
+    if not rows:
+        version = registry.register(drafter_dir, tags={"source": "bootstrap"})
+        registry.set_champion(version)
+        return version
+    champion = registry.champion()
+    if champion is None:
+        champion = rows[0]["version"]
+        log.warning("%s has versions but no `%s` alias: pointing it at the first version %s",
+                    registry.model_name, CHAMPION, champion)
+        registry.set_champion(champion)
+    return champion
+
+
+# ----------------------------------------------------------------------------- hot-swapping
+class HotSwapper:
+    """Daemon thread: polls `champion`; on change downloads, loads and checks the version, then
+    `engine.swap(drafter, head, version)`. Refused versions are remembered and not retried.
+    on_event(dict) is called with {"event": "swap" | "refused" | "poll_error", "version", "detail"}."""
+
+    def __init__(self, registry: Registry, engine, target, cache_dir: str | Path, interval_s: float = 5.0,
+                 on_event: Callable[[dict], None] | None = None, max_backoff_s: float = 60.0):
+        self.registry, self.engine, self.target = registry, engine, target
+        self.cache_dir, self.interval_s, self.max_backoff_s = Path(cache_dir), interval_s, max_backoff_s
+        self.on_event = on_event
+        self.version = str(engine.version)  # the version serving (staged in the engine)
+        self.swaps = self.refused = self.poll_errors = 0
+        self.refused_versions: dict[str, str] = {}  # version -> reason
+        self._errors_in_row = 0
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="adaflash-hotswap", daemon=True)
+
+    def start(self) -> "HotSwapper":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._halt.set()
+        self._thread.join(timeout)
+
+    def metrics(self) -> dict:
+        return {"swaps": self.swaps, "refused": self.refused, "poll_errors": self.poll_errors, "version": self.version}
+
+    def _emit(self, event: str, version: str | None, detail: str = "") -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event({"event": event, "version": version, "detail": detail})
+            except Exception:
+                log.exception("hot-swap on_event callback failed")
+
+    def _loop(self) -> None:
+        delay = 0.0
+        while not self._halt.wait(delay):
+            delay = self.poll()
+
+    def poll(self) -> float:
+        """One poll; -> seconds until the next (longer while the registry is down)."""
+        try:
+            version = self.registry.champion()
+        except Exception as e:
+            return self._poll_error(e)
+        self._errors_in_row = 0
+        if version is None or version == self.version or version in self.refused_versions:
+            return self.interval_s
+        try:
+            path = self.registry.download(version, self.cache_dir)
+            drafter, head = self._load(path)
+            self.engine.swap(drafter, head, version)
+        except Exception as e:
+            if isinstance(e, RegistryUnavailable) or _transient(e):
+                return self._poll_error(e)
+            return self._refuse(version, e)
+        log.info("hot-swap: version %s -> %s (live from the next engine step)", self.version, version)
+        self.version = version
+        self.swaps += 1
+        self._emit("swap", version)
+        return self.interval_s
+
+    def _poll_error(self, e: Exception) -> float:
+        self.poll_errors += 1
+        self._errors_in_row += 1
+        delay = min(self.max_backoff_s, self.interval_s * 2 ** self._errors_in_row)
+        log.warning("hot-swap: registry poll failed (%s: %s); version %s keeps serving, next poll in %.1f s",
+                    type(e).__name__, e, self.version, delay)
+        self._emit("poll_error", None, str(e))
+        return delay
+
+    def _refuse(self, version: str, e: Exception) -> float:
+        self.refused += 1
+        reason = f"{type(e).__name__}: {e}"
+        self.refused_versions[version] = reason
+        log.error("hot-swap: refused version %s (%s); version %s keeps serving", version, reason, self.version)
+        self._emit("refused", version, reason)
+        return self.interval_s
+
+    def _load(self, path: Path):
+        """Load and check a downloaded version against the serving target: identity, shapes, finite weights."""
+        from adaflash.drafter import load_drafter
+        from adaflash.length_head import load_length_head
+
+        current = self.engine.drafter
+        dtype = current.fc.weight.dtype if current is not None else None  # same dtype as the one serving
+        drafter = load_drafter(path, self.target.model, self.target.identity, dtype)
+        head = load_length_head(path, drafter.config.hidden_size) if (path / "length_head.json").exists() else None
+        return drafter, head
