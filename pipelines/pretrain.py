@@ -73,6 +73,7 @@ class TrainSection:
     log_every: int = 20  # steps between accuracy metrics (an argmax over the vocabulary)
     time_limit_min: float | None = None  # checkpoint and stop after this long (resume later)
     seed: int = 0
+    domains: list[str] | None = None  # train only on answers of these domains (None = all regenerated)
 
     def __post_init__(self):
         if self.seqs_per_step < 1 or self.anchors_per_seq < 1 or self.max_steps < 1:
@@ -94,6 +95,7 @@ class EvalSection:
 class PretrainConfig:
     run_dir: str = "runs/pretrain"
     drafter_out: str = "models/drafter-smollm2"
+    answers_dir: str | None = None  # regenerated answers (default run_dir/answers); share one set between runs
     target: TargetSection = field(default_factory=TargetSection)
     regen: RegenSection = field(default_factory=RegenSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
@@ -104,10 +106,14 @@ class PretrainConfig:
 # --------------------------------------------------------------------------- data
 
 
+def answers_path(cfg: "PretrainConfig") -> Path:
+    return Path(cfg.answers_dir) if cfg.answers_dir else Path(cfg.run_dir) / "answers"
+
+
 class AnswerSet:
     """The regenerated shards: token ids in memory, features read lazily from safetensors."""
 
-    def __init__(self, answers_dir: Path):
+    def __init__(self, answers_dir: Path, domains: list[str] | None = None):
         from safetensors import safe_open
 
         self.rows: list[dict] = []
@@ -117,10 +123,13 @@ class AnswerSet:
             self._files[f.name] = safe_open(str(feat_path), framework="pt")
             for r in pq.read_table(f).to_pylist():
                 r["shard"] = f.name
+                if domains is not None and r["domain"] not in domains:
+                    continue
                 if len(r["response_ids"]) >= 2:  # need an anchor with at least one label
                     self.rows.append(r)
         if not self.rows:
-            raise FileNotFoundError(f"no regenerated answers in {answers_dir}: run the 'regenerate' stage first")
+            raise FileNotFoundError(f"no regenerated answers{f' of domains {domains}' if domains else ''} in {answers_dir}: "
+                                    "run the 'regenerate' stage first")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -241,7 +250,7 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
     import deepspeed
 
     tc = cfg.train
-    data = AnswerSet(run_dir / "answers")
+    data = AnswerSet(answers_path(cfg), cfg.train.domains)
     dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size,
                                   cfg.drafter.qk_norm)
     torch.manual_seed(tc.seed)
@@ -307,7 +316,7 @@ def export(cfg: PretrainConfig, target: Target, run_dir: Path) -> Path:
     drafter.load_state_dict(state)
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     extra = {"training": {"recipe": "dflash-offline", "checkpoint": tag, "steps": log[-1]["step"] if log else 0,
-                          "config": to_dict(cfg.train), "sequences": len(AnswerSet(run_dir / "answers"))}}
+                          "config": to_dict(cfg.train), "sequences": len(AnswerSet(answers_path(cfg), cfg.train.domains))}}
     return drafter.save(Path(cfg.drafter_out), extra=extra)
 
 
@@ -333,7 +342,7 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
                 from adaflash.pipelines.regenerate import regenerate
 
                 records = read_prompts(prompts_dir / "train.parquet", cfg.regen.domains, cfg.regen.limit_per_domain)
-                summary[stage] = regenerate(target, records, run_dir / "answers", cfg.regen.batch_size, cfg.regen.max_new_tokens)
+                summary[stage] = regenerate(target, records, answers_path(cfg), cfg.regen.batch_size, cfg.regen.max_new_tokens)
             elif stage == "train":
                 summary[stage] = train(cfg, target, run_dir)
             else:

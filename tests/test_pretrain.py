@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adaflash.config import ConfigError, from_dict, load_config
-from adaflash.pipelines.pretrain import PretrainConfig, block_labels, run_stages
+from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, block_labels, run_stages
 
 
 def tiny_config(tmp_path, source: str, max_steps: int) -> PretrainConfig:
@@ -37,6 +37,9 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
 
     run_stages(cfg, ["regenerate"])  # nothing left to answer: no new shard
     assert sorted((tmp_path / "run" / "answers").glob("answers-*.parquet")) == answers
+    assert {r["domain"] for r in AnswerSet(tmp_path / "run" / "answers", ["code"]).rows} == {"code"}
+    with pytest.raises(FileNotFoundError, match="domains"):
+        AnswerSet(tmp_path / "run" / "answers", ["aime"])
 
     run_stages(cfg, ["train"])
     cfg.train.max_steps = 4
@@ -79,10 +82,11 @@ def test_config_errors(tmp_path):
         load_config(tmp_path / "nope.yaml", PretrainConfig)
 
 
-def test_shipped_config_is_valid():
+@pytest.mark.parametrize("name", ["pretrain_smollm2.yaml", "pretrain_smollm2_nocode.yaml"])
+def test_shipped_config_is_valid(name):
     from pathlib import Path
 
-    cfg = load_config(Path(__file__).parent.parent / "configs" / "pretrain_smollm2.yaml", PretrainConfig)
+    cfg = load_config(Path(__file__).parent.parent / "configs" / name, PretrainConfig)
     assert cfg.drafter.block_size == 16
 
 
