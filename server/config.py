@@ -1,0 +1,97 @@
+"""ServeConfig: the typed YAML config of `adaflash serve` (configs/serve_*.yaml)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from adaflash.cli import DEFAULT_DRAFTER
+
+POLICIES = ("auto", "head", "fixed", "ema", "ar")  # plus fixedK, e.g. fixed8
+
+
+def _positive(section: str, **values) -> None:
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {v}")
+
+
+@dataclass
+class ModelSection:
+    name: str = "smollm2"  # model id clients send in "model" and /v1/models lists
+    aliases: list[str] = field(default_factory=lambda: ["adaflash"])  # other accepted "model" values
+    target: str = "smollm2"  # 'smollm2' (packaged GGUF), a .gguf file or an HF model directory
+    dtype: str = "float32"  # target dtype; float32 keeps greedy output identical to plain decoding
+    drafter: str = str(DEFAULT_DRAFTER)  # drafter directory (config.json + model.safetensors [+ length head])
+    drafter_dtype: str = "auto"  # auto: bf16 where this CPU runs it fast
+    drafter_version: str = "0"  # version label of the initial drafter (the registry's after a hot-swap)
+    policy: str = "auto"  # auto (head if the drafter dir has a length head, else fixed) | head | fixed[K] | ema | ar
+
+    def __post_init__(self):
+        if not self.name.strip():
+            raise ValueError("model.name must not be empty")
+        if self.policy not in POLICIES and not re.fullmatch(r"fixed[1-9][0-9]*", self.policy):
+            raise ValueError(f"model.policy must be one of {', '.join(POLICIES)} or fixedK (e.g. fixed8), "
+                             f"got {self.policy!r}")
+
+
+@dataclass
+class EngineSection:
+    max_batch: int = 16  # requests decoded together
+    token_budget: int = 512  # max verify tokens per engine step (also the longest prompt admitted)
+    max_queued: int = 64  # requests waiting for a batch slot before new ones get 429
+    max_model_len: int | None = None  # context limit (prompt + max_tokens); default and cap: the target's
+    default_max_tokens: int = 256  # max_tokens when a request gives none (capped by the context left)
+    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+
+    def __post_init__(self):
+        _positive("engine", max_batch=self.max_batch, token_budget=self.token_budget, max_queued=self.max_queued,
+                  max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens,
+                  max_tokens_limit=self.max_tokens_limit)
+
+
+@dataclass
+class TrajectorySection:
+    enabled: bool = True  # record every finished request for the online trainer
+    buffer_dir: str = "runs/buffer"  # ShardWriter root (the trainer's ShardReader reads it)
+    writer_id: str | None = None  # default: <hostname>-<pid>
+    rows_per_shard: int = 64
+    max_age_s: float = 30.0  # publish a partial shard when its oldest row is this old
+
+    def __post_init__(self):
+        _positive("trajectories", rows_per_shard=self.rows_per_shard, max_age_s=self.max_age_s)
+
+
+@dataclass
+class RegistrySection:
+    tracking_uri: str | None = None  # MLflow tracking server; set it to hot-swap drafters from the registry
+    model_name: str = "adaflash-drafter"  # registered model holding the drafter versions
+    cache_dir: str = "runs/serve/registry-cache"  # downloaded drafter versions
+    interval_s: float = 30.0  # registry poll period
+    retries: int = 5  # connection retries per registry call (backoff 0.5 s, doubling) before a poll counts as failed
+
+    def __post_init__(self):
+        _positive("registry", interval_s=self.interval_s)
+        if self.retries < 0:
+            raise ValueError(f"registry.retries must be >= 0, got {self.retries}")
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None  # Bearer key for /v1/*; --api-key and $ADAFLASH_API_KEY override it
+    shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM: in-flight requests get this long, then are cancelled
+    log_level: str = "info"
+    model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    trajectories: TrajectorySection = field(default_factory=TrajectorySection)
+    registry: RegistrySection = field(default_factory=RegistrySection)
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError(f"log_level must be one of critical, error, warning, info, debug; got {self.log_level!r}")
