@@ -1,5 +1,5 @@
 # make test  - create .venv, install the project with its test extras, run the tests
-# make up    - install, then run the main job on embedded defaults (see README)
+# make up    - install, then run the whole online-learning loop until Ctrl-C (see README)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,11 +28,10 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
-# The whole loop grows issue by issue; for now: the committed drafter serving real GSM8K prompts,
-# side by side with plain decoding, greedy and lossless.
+# The whole loop until Ctrl-C: MLflow (UI on :5000), registry bootstrap, the server (:8000), the online
+# trainer and the load generator; logs in runs/up/logs/. Options: make up UP_ARGS="--duration 600".
 up: install
-	$(VENV)/bin/adaflash generate --method ar --prompts-file examples/prompts.jsonl --max-new-tokens 128 --json
-	$(VENV)/bin/adaflash generate --method dflash --prompts-file examples/prompts.jsonl --max-new-tokens 128 --json
+	$(VENV)/bin/adaflash up --config configs/up_smollm2.yaml $(UP_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
