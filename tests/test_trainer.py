@@ -1,0 +1,336 @@
+"""Online trainer on a tiny random target, with real components only: a buffer of trajectories from real
+Engine runs (ShardWriter), real DeepSpeed steps, a real MLflow server + registry, and a real kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from adaflash.buffer import ShardReader, ShardWriter
+from adaflash.config import from_dict, load_config
+from adaflash.drafter import load_drafter
+from adaflash.engine import Engine, FixedPolicy, Request
+from adaflash.length_head import LengthHead, LengthHeadConfig
+from adaflash.target import load_target
+from adaflash.trainer.config import OnlineConfig
+from adaflash.trainer.data import Sequence, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
+from adaflash.trainer.online import OnlineModel, OnlineTrainer, ds_config, gate, update_loss
+
+REPO = Path(__file__).resolve().parent.parent
+ROWS_PER_SHARD = 4
+HELDOUT_FRAC = 0.25
+
+
+def request_ids(n_shards: int) -> list[str]:
+    """Ids whose hash split gives every shard one held-out and three training trajectories."""
+    held = [f"req-{i}" for i in range(1000) if is_heldout(f"req-{i}", HELDOUT_FRAC)][:n_shards]
+    train = [f"req-{i}" for i in range(1000) if not is_heldout(f"req-{i}", HELDOUT_FRAC)][: 3 * n_shards]
+    return [x for s in range(n_shards) for x in [held[s]] + train[3 * s : 3 * s + 3]]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_hf_dir, tiny_drafter_dir):
+    """3 shards of 4 trajectories, served greedily by the tiny target + drafter through the Engine."""
+    root = tmp_path_factory.mktemp("buffer")
+    target = load_target(str(tiny_hf_dir), "float32")
+    drafter = load_drafter(tiny_drafter_dir, target.model, target.identity, torch.float32)
+    engine = Engine(target.model, drafter, FixedPolicy(), target.eos_ids, max_batch=12)
+    topics = ["sums", "primes", "loops", "lists", "fractions", "strings"]
+    reqs = [Request(rid, target.encode_chat(f"Explain {topics[i % 6]} in example {i}."), max_new_tokens=16,
+                    domain=["math", "code", "chat"][i % 3]) for i, rid in enumerate(request_ids(3))]
+    with ShardWriter(root, "node0", rows_per_shard=ROWS_PER_SHARD, max_age_s=None) as writer:
+        for st in engine.run(reqs):
+            writer.append(engine.trajectory(st, "node0"))
+    shards = sorted(p.name for p in root.glob("*.parquet"))
+    assert len(shards) == 3
+    per_shard = [sum(len(t.rounds) for t in b.trajectories()) for b in ShardReader(root, ledger_path=root / "_probe.jsonl").poll()]
+    return {"root": root, "shards": shards, "min_rounds": min(per_shard), "target": target}
+
+
+def trainer_config(tmp_path: Path, served: dict, url: str, hf: Path, drafter_dir: Path, model: str, **sections) -> Path:
+    """configs/online_tiny.yaml with this test's paths (and a private copy of the buffer) -> YAML path."""
+    buf = tmp_path / "buffer"
+    if not buf.exists():
+        shutil.copytree(served["root"], buf, ignore=shutil.ignore_patterns("_*"))
+    data = yaml.safe_load((REPO / "configs" / "online_tiny.yaml").read_text())
+    data["target"]["source"], data["drafter"]["init_dir"] = str(hf), str(drafter_dir)
+    data["buffer"].update(dir=str(buf), min_new_rounds=served["min_rounds"])
+    data["checkpoint"]["dir"] = str(tmp_path / "ckpt")
+    data["mlflow"].update(tracking_uri=url, model_name=model)
+    for name, values in sections.items():
+        data[name].update(values)
+    path = tmp_path / "online.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def ledger(buffer: Path) -> list[dict]:
+    return [json.loads(x) for x in (buffer / "_ledger.jsonl").read_text().splitlines() if x.strip()]
+
+
+def history(ckpt: Path) -> list[dict]:
+    return [json.loads(x) for x in (ckpt / "rounds.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------ units
+
+
+def test_gate_promotes_and_rejects():
+    ev = lambda tau, blocks=50: {"tau": tau, "blocks": blocks}  # noqa: E731
+    assert gate(ev(2.0), ev(2.1), 0.0, 16)[0]
+    assert gate(ev(2.0), ev(2.0), 0.0, 16)[0]  # equal is not worse
+    assert gate(ev(2.0), ev(1.95), 0.1, 16)[0]  # within tolerance
+    ok, reason = gate(ev(2.0), ev(1.8), 0.1, 16)
+    assert not ok and "2.000 -> 1.800 < 1.900" in reason
+    ok, reason = gate(ev(1.0), ev(3.0, blocks=3), 0.0, 16)
+    assert not ok and "only 3 full held-out blocks" in reason
+
+
+def test_batch_teacher_rows_and_masks():
+    # hidden[i] = i and target_next[i] = 100 + i make the gathered teacher rows readable
+    s = Sequence("r", "math", torch.arange(10), torch.tensor([2, 5, 7]), feats=torch.zeros(10, 3),
+                 hidden=torch.arange(10.0)[:, None].expand(10, 2), target_next=100 + torch.arange(10))
+    b = make_batch([(s, s.anchors), (s, s.anchors[:1])], k_blk=4)
+    assert b["tgt_hidden"][0, :, :, 0].tolist() == [[2, 3, 4], [5, 6, 7], [7, 8, 9]]  # teacher of a + k at a + k - 1
+    assert b["valid"][0].tolist() == [[True] * 3, [True] * 3, [True, True, False]]  # label 10 is past the end
+    assert b["full"][0].tolist() == [True, True, False] and b["full"][1].tolist() == [True, False, False]
+    assert b["anchors"][1].tolist() == [2, -1, -1] and not b["valid"][1, 1:].any()
+    assert s.full_anchors(4).tolist() == [2, 5]
+    assert is_heldout("req-7", 0.25) == is_heldout("req-7", 0.25)
+    assert 0.15 < sum(is_heldout(f"x{i}", 0.25) for i in range(2000)) / 2000 < 0.35
+
+
+def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
+    from adaflash.config import ConfigError
+
+    cfg = load_config(REPO / "configs" / "online_smollm2.yaml", OnlineConfig)
+    assert cfg.loss.kind == "opd" and cfg.loss.clip_mode == "vocab" and cfg.max_rounds == 0
+    assert load_config(REPO / "configs" / "online_tiny.yaml", OnlineConfig).drafter.save_dtype == "float32"
+    bad = tmp_path / "bad.yaml"
+    for text, match in [("loss:\n  kind: kl\n", "kind must be 'opd' or 'osd'"),
+                        ("deepspeed:\n  zero_stage: 3\n", "zero_stage must be 0, 1 or 2"),
+                        ("buffer:\n  min_new_round: 5\n", "unknown key.*min_new_round")]:
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            load_config(bad, OnlineConfig)
+
+
+def test_cli_help_explains_the_loop(capsys):
+    from adaflash.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for phrase in ("min_new_rounds", "held-out", "champion", "exactly once", "--max-rounds"):
+        assert phrase in text
+
+
+@pytest.fixture(scope="module")
+def supervised(served):
+    """The served trajectories with the teacher recomputed, split train / held-out."""
+    seqs = to_sequences([t for b in ShardReader(served["root"], ledger_path=served["root"] / "_probe2.jsonl").poll()
+                         for t in b.trajectories()])
+    supervise(served["target"].model, seqs, chunk=4)
+    train = [s for s in seqs if not is_heldout(s.request_id, HELDOUT_FRAC)]
+    held = [s for s in seqs if is_heldout(s.request_id, HELDOUT_FRAC)]
+    assert len(train) == 9 and len(held) == 3
+    return train, held
+
+
+def ds_engine(served, drafter_dir, cfg: OnlineConfig):
+    import deepspeed
+
+    from adaflash.pipelines.pretrain import init_distributed
+
+    t = served["target"]
+    drafter = load_drafter(drafter_dir, t.model, t.identity, torch.float32).requires_grad_(True)
+    torch.manual_seed(0)
+    head = LengthHead(LengthHeadConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.block_size))
+    init_distributed()
+    groups = [{"params": list(drafter.parameters())}, {"params": list(head.parameters()), "lr": cfg.train.head_lr}]
+    engine, _, _, _ = deepspeed.initialize(model=OnlineModel(drafter, head), model_parameters=groups, config=ds_config(cfg))
+    return engine
+
+
+def train_step(engine, target, batch, cfg) -> dict:
+    engine.train()
+    with torch.no_grad():
+        tgt_logits = target.model.lm_head(batch["tgt_hidden"]).float()
+    logits, pred = engine(batch)
+    loss, metrics = update_loss(logits, pred, tgt_logits, batch, cfg)
+    engine.backward(loss)
+    engine.step()
+    return {"loss": float(loss.detach()), **metrics}
+
+
+@pytest.mark.parametrize("kind", ["opd", "osd"])
+def test_loss_decreases_on_a_fixed_batch(kind, served, supervised, tiny_drafter_dir):
+    cfg = from_dict(OnlineConfig, {"loss": {"kind": kind}, "train": {"lr": 1e-3}})
+    engine = ds_engine(served, tiny_drafter_dir, cfg)
+    batch = make_batch(train_items(supervised[0], 0, 0, 1, 2, 6, 0, 1), 4)
+    steps = [train_step(engine, served["target"], batch, cfg) for _ in range(8)]
+    term = "hard" if kind == "opd" else "fkl"  # the distillation loss (the head's MSE jumps when blocks start to match)
+    assert steps[-1][term] < 0.75 * steps[0][term], [round(s[term], 3) for s in steps]
+    # the head's label moves with the drafter; with the drafter's lr at 0 the labels hold still and its MSE falls
+    engine.optimizer.param_groups[0]["lr"] = 0.0
+    frozen = {k: v.clone() for k, v in engine.module.drafter.state_dict().items()}
+    head = [train_step(engine, served["target"], batch, cfg)["head_loss"] for _ in range(4)]
+    assert head[-1] < head[0] and all(torch.equal(v, engine.module.drafter.state_dict()[k]) for k, v in frozen.items())
+
+
+def test_heldout_tau_rises_when_training_on_the_same_distribution(served, supervised, tiny_drafter_dir):
+    """The data path end to end: recorded anchors -> teacher -> OPD steps -> teacher-forced held-out tau."""
+    cfg = from_dict(OnlineConfig, {"train": {"lr": 3e-3}})
+    train, held = supervised
+    engine = ds_engine(served, tiny_drafter_dir, cfg)
+
+    def evaluate():
+        engine.eval()
+        return heldout_tau(engine, held, 4, 6, 4)
+
+    before = evaluate()
+    for i in range(12):
+        train_step(engine, served["target"], make_batch(train_items(train, i, 0, 1, 2, 6, 0, 1), 4), cfg)
+    after = evaluate()
+    assert before["blocks"] == after["blocks"] > 20
+    assert set(after["domains"]) == {"math", "code", "chat"}  # one held-out trajectory per shard, one domain each
+    assert after["tau"] > before["tau"] + 0.3, (before["tau"], after["tau"])
+    assert 0 <= after["head_mae"] <= 1
+
+
+# ------------------------------------------------------------------------------------------ with MLflow
+
+
+def version_weights(registry, version: str, tmp: Path) -> dict:
+    from safetensors.torch import load_file
+
+    path = registry.download(version, tmp)
+    return {**load_file(str(path / "model.safetensors")), **load_file(str(path / "length_head.safetensors"))}
+
+
+def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir):
+    from mlflow import MlflowClient
+
+    from adaflash.registry import Registry
+
+    path = trainer_config(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "gate-test",
+                          loss={"kind": "osd"})
+    cfg = load_config(path, OnlineConfig)
+    lines = []
+    trainer = OnlineTrainer(cfg, log=lines.append)
+    assert trainer.run(1) == 1
+    reg, client = Registry(mlflow_server, "gate-test"), MlflowClient(mlflow_server)
+    assert reg.champion() == "1"
+    (v1,) = reg.versions()
+    assert v1["tags"]["gate"] == "promoted" and v1["tags"]["loss"] == "osd" and v1["tags"]["parent_version"] == "None"
+    assert v1["tags"]["data_window"] == f"{served['shards'][0]}..{served['shards'][0]} (1 shards)"
+    run = client.get_run(v1["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["data_window"].startswith(served["shards"][0])
+    assert run.data.metrics["heldout_tau_after"] >= run.data.metrics["heldout_tau_before"]
+    assert {"head_mae_before", "head_mae_after", "tokens_trained", "heldout_blocks"} <= set(run.data.metrics)
+    assert any(k.startswith("heldout_tau_after/") for k in run.data.metrics)  # per domain
+    assert len(client.get_metric_history(v1["run_id"], "loss")) == cfg.train.steps_per_update
+    assert any("round 1:" in x and "promoted v1" in x for x in lines)
+
+    trainer.cfg.gate.tolerance = -100.0  # demand an impossible gain: this round must be rejected
+    assert trainer.run(1) == 1
+    v2 = reg.versions()[1]
+    assert reg.champion() == "1" and v2["tags"]["gate"] == "rejected" and "(tau before - gate.tolerance)" in v2["tags"]["reason"]
+    assert v2["tags"]["parent_version"] == "1"
+    state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
+    assert state["round"] == 2 and state["weights_tag"] == "round1" and state["base_version"] == "1"
+    # rollback: the trainer's weights are v1's again, not the rejected v2's
+    live = {**trainer.engine.module.drafter.state_dict(), **trainer.engine.module.head.state_dict()}
+    w1, w2 = version_weights(reg, "1", tmp_path / "dl"), version_weights(reg, "2", tmp_path / "dl")
+    assert all(torch.equal(live[k], w1[k]) for k in w1) and not all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert [h["round"] for h in history(tmp_path / "ckpt")] == [1, 2]
+
+    # a new trainer (fresh checkpoint dir) starts from the registry's champion
+    cfg.checkpoint.dir = str(tmp_path / "ckpt-new")
+    OnlineTrainer(cfg, log=lines.append)
+    assert json.loads((tmp_path / "ckpt-new" / "init" / "config.json").read_text())["online"]["started_from"] == "1"
+
+
+def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monkeypatch, served, mlflow_server,
+                                                                  tiny_hf_dir, tiny_drafter_dir):
+    """Three crash windows over the same 2 rounds of data. A: a real `adaflash train` process, kill -9'd during
+    round 2's steps, then restarted. B: dies between writing state.json and the ledger commit of round 1, and
+    its restart dies again between registering round 1 and moving the champion alias. Each shard ends up in
+    exactly one finished round, committed once, one version per round, and A and B publish identical round-2
+    weights (a shard trained twice, or skipped, would change them)."""
+    from mlflow import MlflowClient
+
+    from adaflash.registry import Registry
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    shards = served["shards"][:2]  # the third stays pending: max_rounds is 2
+
+    # A: kill -9 mid-round 2, restart
+    cmd = [sys.executable, "-m", "adaflash.cli", "train", "--config",
+           str(trainer_config(a, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "killed-a"))]
+    # a fresh single-process job: not the rank variables init_distributed set in this test process
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    with open(a / "train.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    steps_file = a / "ckpt" / "steps.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if steps_file.exists() and any(json.loads(x)["round"] == 2 for x in steps_file.read_text().splitlines()):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (a / "train.log").read_text()[-3000:]
+    assert json.loads((a / "ckpt" / "state.json").read_text())["round"] == 1  # killed mid-round 2
+    killed_run = {json.loads(x)["run_id"] for x in steps_file.read_text().splitlines() if json.loads(x)["round"] == 2}
+    out = subprocess.run(cmd + ["--max-rounds", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "recovering" not in out.stdout and "round 2:" in out.stdout
+    assert MlflowClient(mlflow_server).get_run(killed_run.pop()).info.status == "KILLED"
+
+    # B: die after state.json, before the ledger commit of round 1; restart, then round 2
+    cfg = load_config(trainer_config(b, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "killed-b"), OnlineConfig)
+    trainer = OnlineTrainer(cfg, log=lambda _: None)
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt("killed between state.json and the ledger commit")
+
+    trainer.reader.commit = die
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(1)
+    assert not (b / "buffer" / "_ledger.jsonl").exists()
+    # restart 1 commits round 1's shards, registers it, then dies before moving the champion alias
+    with monkeypatch.context() as m:
+        m.setattr(Registry, "set_champion", die)
+        with pytest.raises(KeyboardInterrupt):
+            OnlineTrainer(cfg, log=lambda _: None)
+    assert [(r["shard"], r["tag"]) for r in ledger(b / "buffer")] == [(shards[0], 1)]
+    lines = []
+    trainer = OnlineTrainer(cfg, log=lines.append)  # restart 2 finds the version by its run: no second one
+    assert any("recovering round 1" in x for x in lines)
+    reg_b = Registry(mlflow_server, "killed-b")
+    assert [v["version"] for v in reg_b.versions()] == ["1"] and reg_b.champion() == "1"
+    assert trainer.run(1) == 1
+
+    for run in (a, b):
+        assert [(e["shard"], e["tag"]) for e in ledger(run / "buffer")] == [(shards[0], 1), (shards[1], 2)]
+        assert [(h["round"], h["shards"]) for h in history(run / "ckpt")] == [(1, shards[:1]), (2, shards[1:])]
+    steps_b = [json.loads(x) for x in (b / "ckpt" / "steps.jsonl").read_text().splitlines()]
+    assert [s["round"] for s in steps_b] == [1] * cfg.train.steps_per_update + [2] * cfg.train.steps_per_update
+    assert [h["promote"] for h in history(a / "ckpt")] == [h["promote"] for h in history(b / "ckpt")]
+    wa = version_weights(Registry(mlflow_server, "killed-a"), "2", tmp_path / "dl")
+    wb = version_weights(Registry(mlflow_server, "killed-b"), "2", tmp_path / "dl")
+    assert wa.keys() == wb.keys()
+    for k in wb:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")

@@ -1,0 +1,145 @@
+"""Typed configuration of the online trainer (`adaflash train --config configs/online_*.yaml`).
+
+One dataclass per concern; `adaflash.config.load_config(path, OnlineConfig)` loads the YAML and
+each `__post_init__` rejects bad values with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from adaflash.losses import CLIP_MODES
+
+
+@dataclass
+class TargetSection:
+    source: str = "smollm2"  # "smollm2" (packaged GGUF), a .gguf file, or a local HF directory
+    dtype: str = "float32"  # the frozen teacher; float32 matches what greedy serving verifies with
+
+
+@dataclass
+class DrafterSection:
+    init_dir: str = "models/drafter-smollm2"  # start here when the registry has no champion yet
+    from_registry: bool = True  # start from the registry's champion when there is one
+    save_dtype: str = "bfloat16"  # dtype of the weights registered each round (float32 for exact copies)
+
+    def __post_init__(self):
+        if self.save_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"save_dtype must be 'bfloat16' or 'float32', got {self.save_dtype!r}")
+
+
+@dataclass
+class BufferSection:
+    dir: str = "runs/buffer"  # the trajectory buffer serving nodes write (adaflash.buffer.ShardWriter)
+    min_new_rounds: int = 512  # verification rounds needed to form one update round
+    heldout_frac: float = 0.1  # trajectories held out for the gate (by request_id hash, never trained on)
+    poll_interval_s: float = 5.0  # seconds between buffer polls while waiting for data
+
+    def __post_init__(self):
+        if self.min_new_rounds < 1:
+            raise ValueError(f"min_new_rounds must be >= 1, got {self.min_new_rounds}")
+        if not 0.0 <= self.heldout_frac < 1.0:
+            raise ValueError(f"heldout_frac must be in [0, 1), got {self.heldout_frac}")
+        if self.poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
+
+
+@dataclass
+class LossSection:
+    kind: str = "opd"  # "opd" (AdaFlash: top-1 CE + clipped reverse KL) or "osd" (baseline: forward KL)
+    alpha: float = 0.8  # OPD weight of the hard top-1 term; 1 - alpha goes to the reverse KL
+    temperature: float = 1.0
+    clip: float | None = 1.0  # clip of the reverse-KL terms; null disables clipping
+    clip_mode: str = "vocab"  # "vocab": clip every vocabulary term (the mission's choice), "token": the row sum
+    gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
+    head_weight: float = 1.0  # weight of the length-head MSE (its gradients reach only the head)
+
+    def __post_init__(self):
+        if self.kind not in ("opd", "osd"):
+            raise ValueError(f"kind must be 'opd' or 'osd', got {self.kind!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.clip_mode not in CLIP_MODES:
+            raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
+        if self.temperature <= 0 or self.gamma <= 0:
+            raise ValueError("temperature and gamma must be > 0")
+
+
+@dataclass
+class TrainSection:
+    steps_per_update: int = 50  # optimizer steps per update round
+    seqs_per_step: int = 4  # trajectories per step (per rank)
+    anchors_per_seq: int = 16  # recorded (on-policy) blocks sampled per trajectory per step
+    lr: float = 3e-5  # drafter learning rate (fine-tuning a pretrained drafter)
+    head_lr: float = 2e-4  # length-head learning rate (its own parameter group)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # DeepSpeed clips the global norm of drafter + head gradients
+    autocast_bf16: bool = False  # bf16 autocast of the drafter forward on CPU
+    eval_seqs: int = 8  # trajectories per forward when computing supervision and held-out tau
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps_per_update", "seqs_per_step", "anchors_per_seq", "eval_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.head_lr <= 0:
+            raise ValueError("lr and head_lr must be > 0")
+
+
+@dataclass
+class DeepSpeedSection:
+    zero_stage: int = 0  # 0 on one process; 1-2 shard optimizer state (and gradients) across ranks
+    extra: dict = field(default_factory=dict)  # merged into the generated DeepSpeed config as is
+
+    def __post_init__(self):
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage} (stage 3 partitions the weights "
+                             "themselves, which a drafter of this size does not need and the round export does not gather)")
+
+
+@dataclass
+class CheckpointSection:
+    dir: str = "runs/online/checkpoints"  # DeepSpeed checkpoints + state.json + exported round drafters
+    keep: int = 2  # DeepSpeed checkpoint tags kept besides the live one
+
+    def __post_init__(self):
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1, got {self.keep}")
+
+
+@dataclass
+class MlflowSection:
+    tracking_uri: str = "http://127.0.0.1:5000"
+    experiment: str = "adaflash-online"  # one MLflow run per update round lands here
+    model_name: str = "adaflash-drafter"  # registered model: every round's drafter is a version
+
+
+@dataclass
+class GateSection:
+    tolerance: float = 0.0  # promote when held-out tau after >= tau before - tolerance
+    min_heldout_blocks: int = 16  # fewer full held-out blocks than this: no verdict, the version is rejected
+    on_reject: str = "rollback"  # "rollback": next round starts from the pre-round weights; "continue": keep them
+
+    def __post_init__(self):
+        if self.on_reject not in ("rollback", "continue"):
+            raise ValueError(f"on_reject must be 'rollback' or 'continue', got {self.on_reject!r}")
+        if self.min_heldout_blocks < 1:
+            raise ValueError(f"min_heldout_blocks must be >= 1, got {self.min_heldout_blocks}")
+
+
+@dataclass
+class OnlineConfig:
+    target: TargetSection = field(default_factory=TargetSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    buffer: BufferSection = field(default_factory=BufferSection)
+    loss: LossSection = field(default_factory=LossSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    mlflow: MlflowSection = field(default_factory=MlflowSection)
+    gate: GateSection = field(default_factory=GateSection)
+    max_rounds: int = 0  # update rounds to run before exiting; 0 = forever
+
+    def __post_init__(self):
+        if self.max_rounds < 0:
+            raise ValueError(f"max_rounds must be >= 0 (0 = forever), got {self.max_rounds}")

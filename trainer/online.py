@@ -1,0 +1,432 @@
+"""Online trainer: tails the trajectory buffer, distils the frozen target into the drafter (OPD or the
+OSD baseline) plus the length head through DeepSpeed, gates each update on held-out tau and publishes
+every round's drafter to the MLflow model registry.
+
+One update round:
+  1. wait until >= `buffer.min_new_rounds` verification rounds sit in uncommitted shards; take the
+     oldest shards up to that count (same rule after a restart, so a retried round sees the same data)
+  2. split trajectories train / held-out by request_id hash; one target forward per trajectory
+  3. held-out tau before; `steps_per_update` DeepSpeed steps on the recorded anchors; held-out tau after
+  4. gate: promote when tau after >= tau before - tolerance (and enough held-out blocks)
+  5. durable: export drafter + head, DeepSpeed checkpoint (kept weights only), state.json with the
+     round's shards and what is left to publish, THEN `reader.commit(shards, tag=round)`
+  6. publish: register the version, move the champion alias or tag it rejected, close the MLflow run
+
+Exactly-once: weights that include a shard become durable (checkpoint + state.json) before the ledger
+records the shard, and a restart resumes from exactly those weights. A kill before step 5 leaves the
+shards uncommitted and the checkpoint without them: they are retrained once. A kill between state.json
+and the ledger commit is completed on restart from state.json (no retraining); a kill during publish is
+finished on restart, looking the version up by its MLflow run first so it is registered once.
+
+Files in `checkpoint.dir`: init/ (starting drafter + head), round{N}/ (DeepSpeed tags), state.json,
+rounds.jsonl (one line per finished round: shards, version, gate), steps.jsonl (one line per step).
+Multi-process under the deepspeed launcher: rank 0 owns the ledger, state, MLflow and the registry and
+broadcasts each round's shard names; every rank trains its own slice of each step's sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor, nn
+
+from adaflash.buffer import TRAJECTORY_SCHEMA, ShardReader, from_arrow
+from adaflash.config import to_dict
+from adaflash.drafter import Drafter, load_drafter
+from adaflash.length_head import LengthHead, LengthHeadConfig, load_length_head, save_length_head
+from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
+from adaflash.target import load_target
+from adaflash.trainer.config import OnlineConfig
+from adaflash.trainer.data import capture_output, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
+
+
+class OnlineModel(nn.Module):
+    """What the DeepSpeed engine trains: the drafter and its length head (two parameter groups)."""
+
+    def __init__(self, drafter: Drafter, head: LengthHead):
+        super().__init__()
+        self.drafter, self.head = drafter, head
+
+    def forward(self, batch: dict) -> tuple[Tensor, Tensor]:
+        """-> (draft logits [B, NB, K-1, V], head prediction [B, NB]). The head reads the final-norm
+        states of all K block positions (as when serving), detached: its loss never reaches the drafter."""
+        b, nb = batch["anchors"].shape
+        with capture_output(self.drafter.norm) as seen:
+            h = self.drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])  # [B, NB, K-1, H]
+        block = seen[-1].view(b * nb, self.drafter.block_size, -1)  # [B*NB, K, H] incl. the anchor position
+        return self.drafter.lm_head(h), self.head(block.float()).view(b, nb)
+
+
+def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor, batch: dict, cfg: OnlineConfig) -> tuple[Tensor, dict]:
+    """Distillation (OPD or OSD) over valid positions + length-head MSE over full blocks.
+    logits / tgt_logits [B, NB, K-1, V]; pred [B, NB]."""
+    lc, k_blk = cfg.loss, logits.shape[2] + 1
+    d, t, valid = logits.flatten(0, 1), tgt_logits.flatten(0, 1), batch["valid"].flatten(0, 1)  # [N, K-1, V], [N, K-1]
+    if lc.kind == "opd":
+        out = opd_loss(d, t, valid, lc.alpha, lc.temperature, lc.clip, lc.clip_mode, lc.gamma)
+    else:
+        out = osd_loss(d, t, valid, lc.temperature, lc.gamma)
+    full = batch["full"].flatten()  # [N]
+    with torch.no_grad():
+        acc = accepted_length(d.argmax(-1), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
+    head = length_head_loss(pred.flatten()[full], acc[full], k_blk) if full.any() else pred.sum() * 0.0
+    metrics = {k: float(v) for k, v in out.items() if k != "loss"}
+    metrics.update(head_loss=float(head.detach()), train_acc_len=float(acc[full].float().mean()) if full.any() else 0.0,
+                   positions=int(valid.sum()))
+    return out["loss"] + lc.head_weight * head, metrics
+
+
+def ds_config(cfg: OnlineConfig) -> dict:
+    t = cfg.train
+    conf = {
+        "train_micro_batch_size_per_gpu": t.seqs_per_step,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": t.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "weight_decay": t.weight_decay, "torch_adam": True}},
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "steps_per_print": 10**9,
+    }
+    conf.update(cfg.deepspeed.extra)
+    return conf
+
+
+def gate(before: dict, after: dict, tolerance: float, min_blocks: int) -> tuple[bool, str]:
+    """Promotion decision from held-out tau before/after the update -> (promote, reason)."""
+    if after["blocks"] < min_blocks:
+        return False, f"only {after['blocks']} full held-out blocks (< gate.min_heldout_blocks={min_blocks})"
+    need = before["tau"] - tolerance
+    if after["tau"] >= need:
+        return True, f"held-out tau {before['tau']:.3f} -> {after['tau']:.3f} >= {need:.3f} (tau before - gate.tolerance)"
+    return False, f"held-out tau {before['tau']:.3f} -> {after['tau']:.3f} < {need:.3f} (tau before - gate.tolerance)"
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _metric_key(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_./ -]", "_", name)
+
+
+class OnlineTrainer:
+    def __init__(self, cfg: OnlineConfig, log=print):
+        import deepspeed
+        import torch.distributed as dist
+
+        from adaflash.pipelines.pretrain import init_distributed
+
+        self.cfg, self.log = cfg, log
+        self.ckpt = Path(cfg.checkpoint.dir)
+        self.state_path = self.ckpt / "state.json"
+        init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.target = load_target(cfg.target.source, cfg.target.dtype)
+        self.registry = self.client = self.reader = None
+        if self.rank == 0:
+            from mlflow.tracking import MlflowClient
+
+            from adaflash.registry import Registry
+
+            self.client = MlflowClient(cfg.mlflow.tracking_uri)
+            self.registry = Registry(cfg.mlflow.tracking_uri, cfg.mlflow.model_name)
+            self.ckpt.mkdir(parents=True, exist_ok=True)
+            if not self.state_path.exists():
+                self._prepare_start()
+        self._barrier()
+        fresh = not self.state_path.exists()
+        drafter = load_drafter(self.ckpt / "init", self.target.model, self.target.identity, torch.float32)
+        head = load_length_head(self.ckpt / "init", drafter.config.hidden_size)
+        model = OnlineModel(drafter.requires_grad_(True), head.requires_grad_(True))
+        groups = [{"params": list(drafter.parameters()), "lr": cfg.train.lr},
+                  {"params": list(head.parameters()), "lr": cfg.train.head_lr, "weight_decay": 0.0}]
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(cfg))
+        self.k_blk = drafter.block_size
+        if fresh:  # round 0 = the starting weights, so every round has a checkpoint to resume or roll back to
+            self.engine.save_checkpoint(str(self.ckpt), tag="round0")
+            if self.rank == 0:
+                _write_json_atomic(self.state_path, {**json.loads((self.ckpt / "init" / "start.json").read_text()),
+                                                     "round": 0, "weights_tag": "round0", "pending": None, "inflight_run": None})
+        self._barrier()
+        self.state = json.loads(self.state_path.read_text())
+        if not fresh:
+            self._load_weights(self.state["weights_tag"])
+        if self.rank == 0:
+            self.reader = ShardReader(cfg.buffer.dir)
+            self._recover()
+        self._waiting: list = []  # polled shards not yet in a round (rank 0)
+        self._reported = -1  # verification rounds waiting at the last "waiting for data" line
+
+    # ------------------------------------------------------------------ start / recovery
+
+    def _prepare_start(self) -> None:
+        """First start: the champion from the registry (or drafter.init_dir) becomes init/ (fp32, with a head)."""
+        cfg, version, src = self.cfg, None, Path(self.cfg.drafter.init_dir)
+        if cfg.drafter.from_registry:
+            version = self.registry.champion()
+            if version is not None:
+                src = Path(self.registry.download(version, self.ckpt / "download"))
+        drafter = load_drafter(src, self.target.model, self.target.identity, torch.float32)
+        if (src / "length_head.json").exists():
+            head = load_length_head(src, drafter.config.hidden_size)
+        else:
+            torch.manual_seed(cfg.train.seed)
+            head = LengthHead(LengthHeadConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.block_size))
+        init = self.ckpt / "init"
+        drafter.save(init, dtype=torch.float32, extra={"online": {"started_from": version or str(src)}})
+        save_length_head(head, init)
+        (init / "start.json").write_text(json.dumps({"base_version": version, "champion": version, "start": version or str(src)}))
+        self.log(f"[train] starting from {'registry champion v' + version if version else src}")
+
+    def _recover(self) -> None:
+        """Finish what a killed trainer left: ledger commit + publish of a durable round, or mark its
+        unfinished MLflow run killed (that round's shards are still uncommitted and get retrained)."""
+        pending = self.state["pending"]
+        if pending is not None:
+            self.log(f"[train] recovering round {pending['round']}: committing its shards and publishing")
+            self.reader.commit(pending["shards"], tag=pending["round"])
+            self._publish()
+        elif self.state["inflight_run"]:
+            self.client.set_tag(self.state["inflight_run"], "note", "trainer killed mid-round; the round was retrained in a new run")
+            self.client.set_terminated(self.state["inflight_run"], "KILLED")
+            self.state["inflight_run"] = None
+            _write_json_atomic(self.state_path, self.state)
+
+    def _load_weights(self, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(str(self.ckpt), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed checkpoint {self.ckpt / tag} named in {self.state_path} is missing: "
+                                    f"restore it, or move {self.ckpt} away to start over from the registry's champion")
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def _bcast(self, obj):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, max_rounds: int | None = None) -> int:
+        """Update rounds until `max_rounds` (config's when None; 0 = forever). -> rounds done."""
+        max_rounds = self.cfg.max_rounds if max_rounds is None else max_rounds
+        done = 0
+        while max_rounds == 0 or done < max_rounds:
+            names = self._bcast(self._take_round() if self.rank == 0 else None)
+            if names is None:
+                time.sleep(self.cfg.buffer.poll_interval_s)
+                continue
+            self.update_round(names)
+            done += 1
+        return done
+
+    def _take_round(self) -> list[str] | None:
+        """The oldest polled shards holding >= min_new_rounds verification rounds, or None (keep waiting)."""
+        self._waiting += self.reader.poll()
+        self._waiting.sort(key=lambda b: (pc.min(b.table["created_ns"]).as_py(), b.name))
+        need, have = self.cfg.buffer.min_new_rounds, 0
+        for i, b in enumerate(self._waiting):
+            have += pc.sum(pc.list_value_length(b.table["rounds"])).as_py() or 0
+            if have >= need:
+                take, self._waiting = self._waiting[: i + 1], self._waiting[i + 1 :]
+                self._tables = {b.name: b.table for b in take}
+                return [b.name for b in take]
+        if have != self._reported:
+            self.log(f"[train] waiting for data: {have}/{need} verification rounds in {len(self._waiting)} shard(s)")
+            self._reported = have
+        return None
+
+    def _read(self, names: list[str]):
+        if self.rank == 0:
+            return [self._tables[n] for n in names]
+        return [pq.read_table(Path(self.cfg.buffer.dir) / n, schema=TRAJECTORY_SCHEMA) for n in names]
+
+    # ------------------------------------------------------------------ one update round
+
+    def update_round(self, names: list[str]) -> dict:
+        cfg, r = self.cfg, self.state["round"] + 1
+        t0 = time.perf_counter()
+        tables = self._read(names)
+        trajs = [t for tab in tables for t in from_arrow(tab)]
+        seqs = to_sequences(trajs)
+        held = [s for s in seqs if is_heldout(s.request_id, cfg.buffer.heldout_frac)]
+        train = [s for s in seqs if not is_heldout(s.request_id, cfg.buffer.heldout_frac)]
+        created = [t.created_ns for t in trajs]
+        window = {"shards": names, "t_min_ns": min(created), "t_max_ns": max(created),
+                  "drafter_versions": sorted({t.drafter_version for t in trajs})}
+        info = {"round": r, "rows": len(trajs), "train": len(train), "heldout": len(held),
+                "verify_rounds": sum(len(t.rounds) for t in trajs)}
+        run_id = self._begin_run(info, window) if self.rank == 0 else None
+        supervise(self.target.model, seqs, cfg.train.eval_seqs)
+        before = self._eval(held)
+        steps = [self._step(train, r, i, run_id) for i in range(cfg.train.steps_per_update)] if train else []
+        after = self._eval(held)
+        promote, reason = gate(before, after, cfg.gate.tolerance, cfg.gate.min_heldout_blocks)
+        if not train:
+            promote, reason = False, "no trainable trajectories in the round"
+        keep = promote or cfg.gate.on_reject == "continue"
+        summary = {**info, "seconds": round(time.perf_counter() - t0, 1), "tau_before": before["tau"], "tau_after": after["tau"],
+                   "loss_first": steps[0]["loss"] if steps else None, "loss_last": steps[-1]["loss"] if steps else None,
+                   "head_mae_before": before["head_mae"], "head_mae_after": after["head_mae"],
+                   "promote": promote, "reason": reason, "kept": keep}
+        export = self.ckpt / "exports" / f"round{r}"
+        if self.rank == 0:
+            self._log_eval(run_id, before, after, steps, train)
+            self._export(export, r, summary)
+        tag = f"round{r}"
+        if keep:
+            self.engine.save_checkpoint(str(self.ckpt), tag=tag)
+        else:  # roll back to the pre-round weights (and optimizer state)
+            tag = self.state["weights_tag"]
+            self._load_weights(tag)
+        self._barrier()
+        self.state.update(round=r, weights_tag=tag, inflight_run=None, pending={
+            "round": r, "shards": names, "run_id": run_id, "export": str(export), "summary": summary,
+            "tags": {"round": str(r), "parent_version": str(self.state["base_version"]), "loss": cfg.loss.kind,
+                     "data_window": f"{names[0]}..{names[-1]} ({len(names)} shards)",
+                     "tau_before": f"{before['tau']:.4f}", "tau_after": f"{after['tau']:.4f}"}})
+        if self.rank == 0:
+            _write_json_atomic(self.state_path, self.state)  # durable: these weights include these shards
+            self.reader.commit(names, tag=r)
+            self._publish()
+            self._cleanup()
+        self._barrier()
+        return summary
+
+    def _step(self, seqs, r: int, i: int, run_id: str | None) -> dict:
+        """One DeepSpeed optimizer step on this rank's slice of the step's sequences."""
+        t = self.cfg.train
+        batch = make_batch(train_items(seqs, i, self.rank, self.world, t.seqs_per_step, t.anchors_per_seq, t.seed, r), self.k_blk)
+        self.engine.train()
+        with torch.no_grad():
+            tgt_logits = self.target.model.lm_head(batch["tgt_hidden"]).float()  # [B, NB, K-1, V]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
+            logits, pred = self.engine(batch)
+        loss, metrics = update_loss(logits, pred, tgt_logits, batch, self.cfg)
+        self.engine.backward(loss)
+        self.engine.step()
+        metrics["loss"] = float(loss.detach())
+        if self.rank == 0:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self.client.log_batch(run_id, metrics=[Metric(k, v, now, i) for k, v in metrics.items()])
+            with open(self.ckpt / "steps.jsonl", "a") as f:
+                f.write(json.dumps({"round": r, "step": i + 1, "run_id": run_id, **{k: round(v, 5) for k, v in metrics.items()}}) + "\n")
+        return metrics
+
+    def _eval(self, seqs) -> dict:
+        self.engine.eval()
+        t = self.cfg.train
+
+        def forward(batch):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
+                return self.engine(batch)
+
+        return heldout_tau(forward, seqs, self.k_blk, t.anchors_per_seq, t.eval_seqs)
+
+    # ------------------------------------------------------------------ MLflow, export, publish (rank 0)
+
+    def _begin_run(self, info: dict, window: dict) -> str:
+        cfg = self.cfg
+        exp = self.client.get_experiment_by_name(cfg.mlflow.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.mlflow.experiment)
+        run = self.client.create_run(exp_id, run_name=f"round-{info['round']}",
+                                     tags={"adaflash.round": str(info["round"]), "adaflash.loss": cfg.loss.kind})
+        rid = run.info.run_id
+        self.state["inflight_run"] = rid
+        _write_json_atomic(self.state_path, self.state)
+        from mlflow.entities import Param
+
+        params = {**{f"loss.{k}": v for k, v in to_dict(cfg.loss).items()}, **{f"train.{k}": v for k, v in to_dict(cfg.train).items()},
+                  "deepspeed.zero_stage": cfg.deepspeed.zero_stage, "world_size": self.world, "min_new_rounds": cfg.buffer.min_new_rounds,
+                  "heldout_frac": cfg.buffer.heldout_frac, "parent_version": self.state["base_version"], **info,
+                  "data_window": f"{window['shards'][0]}..{window['shards'][-1]} ({len(window['shards'])} shards)",
+                  "data_time_range": f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(window['t_min_ns'] / 1e9))}.."
+                                     f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(window['t_max_ns'] / 1e9))}"}
+        self.client.log_batch(rid, params=[Param(k, str(v)) for k, v in params.items()])
+        self.client.log_dict(rid, window, "data_window.json")
+        return rid
+
+    def _log_eval(self, run_id: str, before: dict, after: dict, steps: list[dict], train) -> None:
+        from mlflow.entities import Metric
+
+        now, vals = int(time.time() * 1000), {}
+        for when, ev in (("before", before), ("after", after)):
+            vals[f"heldout_tau_{when}"] = ev["tau"]
+            vals[f"head_mae_{when}"] = ev["head_mae"]
+            for d, v in ev["domains"].items():
+                vals[_metric_key(f"heldout_tau_{when}/{d}")] = v["tau"]
+        vals["heldout_blocks"] = after["blocks"]
+        vals["tokens_trained"] = sum(s["positions"] for s in steps)  # supervised draft positions
+        vals["sequence_tokens"] = sum(len(s.tokens) for s in train)
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in vals.items() if v == v])
+
+    def _export(self, out: Path, r: int, summary: dict) -> None:
+        """The round's drafter + head as a registry-ready directory."""
+        m = self.engine.module
+        dtype = torch.bfloat16 if self.cfg.drafter.save_dtype == "bfloat16" else torch.float32
+        m.drafter.save(out, dtype=dtype, extra={"online": {"round": r, "loss": self.cfg.loss.kind, "summary": summary}})
+        save_length_head(m.head, out, metrics={"round": r, "heldout_mae": summary["head_mae_after"]})
+
+    def _version_of_run(self, run_id: str) -> str | None:
+        found = self.client.search_model_versions(f"name='{self.cfg.mlflow.model_name}' and run_id='{run_id}'")
+        return str(found[0].version) if found else None
+
+    def _publish(self) -> None:
+        """Register the pending round's drafter (once), apply the gate, close its run; idempotent."""
+        p = self.state["pending"]
+        s = p["summary"]
+        version = self._version_of_run(p["run_id"]) or str(self.registry.register(p["export"], run_id=p["run_id"], tags=p["tags"]))
+        if s["promote"]:
+            self.registry.set_champion(version)
+            self.registry.tag_version(version, "gate", "promoted")
+            self.state["champion"] = version
+        else:
+            self.registry.tag_version(version, "gate", "rejected")
+            self.registry.tag_version(version, "reason", s["reason"])
+        if s["kept"]:
+            self.state["base_version"] = version
+        self.client.set_terminated(p["run_id"], "FINISHED")
+        self.state["pending"] = None
+        _write_json_atomic(self.state_path, self.state)
+        self._append_history({"round": p["round"], "shards": p["shards"], "version": version, **s})
+        shutil.rmtree(p["export"], ignore_errors=True)  # the registry holds it now
+        verdict = f"promoted v{version}" if s["promote"] else f"rejected v{version} ({s['reason']})"
+        loss = f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}" if s["loss_first"] is not None else "no steps"
+        self.log(f"[train] round {p['round']}: {s['rows']} rows ({s['train']} train / {s['heldout']} held-out, "
+                 f"{s['verify_rounds']} verify rounds), {loss}, held-out tau {s['tau_before']:.3f} -> {s['tau_after']:.3f}, "
+                 f"{verdict}, {s['seconds']}s")
+
+    def _append_history(self, rec: dict) -> None:
+        path = self.ckpt / "rounds.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and json.loads(lines[-1])["round"] >= rec["round"]:
+            return  # already recorded before a crash
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _cleanup(self) -> None:
+        """Keep the live DeepSpeed tag and the `checkpoint.keep` newest others."""
+        tags = sorted((p for p in self.ckpt.glob("round*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        old = [p for p in tags if p.name != self.state["weights_tag"]][: -self.cfg.checkpoint.keep]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
