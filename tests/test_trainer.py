@@ -53,7 +53,8 @@ def served(tmp_path_factory, tiny_hf_dir, tiny_drafter_dir):
             writer.append(engine.trajectory(st, "node0"))
     shards = sorted(p.name for p in root.glob("*.parquet"))
     assert len(shards) == 3
-    per_shard = [sum(len(t.rounds) for t in b.trajectories()) for b in ShardReader(root, ledger_path=root / "_probe.jsonl").poll()]
+    probe = ShardReader(root, ledger_path=root / "_probe.jsonl")  # reads without consuming the copies tests make
+    per_shard = [sum(len(t.rounds) for t in b.trajectories()) for b in probe.poll()]
     return {"root": root, "shards": shards, "min_rounds": min(per_shard), "target": target}
 
 
@@ -147,6 +148,30 @@ def supervised(served):
     return train, held
 
 
+def test_teacher_and_training_forward_reproduce_what_was_served(served, supervised, tiny_drafter_dir):
+    """The data path is on-policy: at every recorded anchor the drafter's training forward drafts the tokens
+    the server drafted, and the recomputed target agrees with the server's verification."""
+    t = served["target"]
+    drafter = load_drafter(tiny_drafter_dir, t.model, t.identity, torch.float32)
+    trajs = {x.request_id: x for b in ShardReader(served["root"], ledger_path=served["root"] / "_probe3.jsonl").poll()
+             for x in b.trajectories()}
+    checked = 0
+    for s in supervised[0] + supervised[1]:
+        batch = make_batch([(s, s.anchors)], 4)
+        with torch.no_grad():
+            drafted = drafter.lm_head(drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])).argmax(-1)[0]
+        for j, r in enumerate(trajs[s.request_id].rounds):
+            assert int(s.anchors[j]) == r.anchor
+            n = len(r.draft)
+            assert drafted[j, :n].tolist() == r.draft
+            # verification saw the drafts: its tokens after the first rejection are conditioned on rejected
+            # drafts, the teacher on the committed text; up to the first rejection they must agree
+            m = min(n, r.accepted + 1)
+            assert s.target_next[r.anchor : r.anchor + m].tolist() == r.target[:m]
+            checked += n
+    assert checked > 100
+
+
 def ds_engine(served, drafter_dir, cfg: OnlineConfig):
     import deepspeed
 
@@ -173,14 +198,14 @@ def train_step(engine, target, batch, cfg) -> dict:
     return {"loss": float(loss.detach()), **metrics}
 
 
-@pytest.mark.parametrize("kind", ["opd", "osd"])
-def test_loss_decreases_on_a_fixed_batch(kind, served, supervised, tiny_drafter_dir):
-    cfg = from_dict(OnlineConfig, {"loss": {"kind": kind}, "train": {"lr": 1e-3}})
+def test_loss_decreases_on_a_fixed_batch(served, supervised, tiny_drafter_dir):
+    cfg = from_dict(OnlineConfig, {"train": {"lr": 1e-3}})
     engine = ds_engine(served, tiny_drafter_dir, cfg)
     batch = make_batch(train_items(supervised[0], 0, 0, 1, 2, 6, 0, 1), 4)
     steps = [train_step(engine, served["target"], batch, cfg) for _ in range(8)]
-    term = "hard" if kind == "opd" else "fkl"  # the distillation loss (the head's MSE jumps when blocks start to match)
-    assert steps[-1][term] < 0.75 * steps[0][term], [round(s[term], 3) for s in steps]
+    # the distillation terms (the head's MSE jumps when blocks start to match, so not the total)
+    assert steps[-1]["hard"] < 0.75 * steps[0]["hard"], [round(s["hard"], 3) for s in steps]
+    assert steps[-1]["rkl"] < steps[0]["rkl"]
     # the head's label moves with the drafter; with the drafter's lr at 0 the labels hold still and its MSE falls
     engine.optimizer.param_groups[0]["lr"] = 0.0
     frozen = {k: v.clone() for k, v in engine.module.drafter.state_dict().items()}
@@ -239,7 +264,8 @@ def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_se
     assert run.data.metrics["heldout_tau_after"] >= run.data.metrics["heldout_tau_before"]
     assert {"head_mae_before", "head_mae_after", "tokens_trained", "heldout_blocks"} <= set(run.data.metrics)
     assert any(k.startswith("heldout_tau_after/") for k in run.data.metrics)  # per domain
-    assert len(client.get_metric_history(v1["run_id"], "loss")) == cfg.train.steps_per_update
+    fkl = [m.value for m in sorted(client.get_metric_history(v1["run_id"], "fkl"), key=lambda m: m.step)]
+    assert len(fkl) == cfg.train.steps_per_update and fkl[-1] < fkl[0]  # the OSD baseline's loss trains too
     assert any("round 1:" in x and "promoted v1" in x for x in lines)
 
     trainer.cfg.gate.tolerance = -100.0  # demand an impossible gain: this round must be rejected

@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="online trainer: buffer -> OPD/OSD update rounds -> MLflow registry",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML, e.g. configs/online_smollm2.yaml")
-    p.add_argument("--max-rounds", type=int, default=None, help="update rounds before exiting (overrides max_rounds; 0 = forever)")
+    p.add_argument("--max-rounds", type=int, default=None,
+                   help="update rounds before exiting (overrides max_rounds; 0 = forever)")
     p.add_argument("--tracking-uri", default=None, help="MLflow server URL (overrides mlflow.tracking_uri)")
     p.set_defaults(func=run)
 

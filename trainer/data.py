@@ -7,9 +7,11 @@ position i, the target-layer features (the drafter's context) and the final-norm
 target once and the training steps only pay for the LM-head rows they use.
 
 Block at anchor a, position k = 1..K-1 predicts token a + k; its teacher is the target at position
-a + k - 1 (conditioned on the real prefix); it is valid while a + k < L (labels beyond the sequence
-end are masked). A FULL block has all K-1 positions valid: only full blocks count for tau and for
-the length head's acceptance label.
+a + k - 1 conditioned on the committed text; it is valid while a + k < L (labels beyond the sequence
+end are masked). Up to the block's first rejection this is exactly the distribution the server
+verified with; after it, the server's target had seen rejected drafts, while this teacher sees what
+the target actually produced next: what the drafter's block must predict. A FULL block has all K-1
+positions valid: only full blocks count for tau and for the length head's acceptance label.
 """
 
 from __future__ import annotations

@@ -199,8 +199,9 @@ class OnlineTrainer:
             self.reader.commit(pending["shards"], tag=pending["round"])
             self._publish()
         elif self.state["inflight_run"]:
-            self.client.set_tag(self.state["inflight_run"], "note", "trainer killed mid-round; the round was retrained in a new run")
-            self.client.set_terminated(self.state["inflight_run"], "KILLED")
+            run = self.state["inflight_run"]
+            self.client.set_tag(run, "note", "trainer killed mid-round; the round is retrained in a new run")
+            self.client.set_terminated(run, "KILLED")
             self.state["inflight_run"] = None
             _write_json_atomic(self.state_path, self.state)
 
@@ -326,9 +327,13 @@ class OnlineTrainer:
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
-            self.client.log_batch(run_id, metrics=[Metric(k, v, now, i) for k, v in metrics.items()])
+            try:  # best effort: a blip of the tracking server must not cost the round (steps.jsonl has them)
+                self.client.log_batch(run_id, metrics=[Metric(k, v, now, i) for k, v in metrics.items()])
+            except Exception as e:
+                self.log(f"[train] warning: step {i + 1} metrics not logged to MLflow ({type(e).__name__}: {e})")
             with open(self.ckpt / "steps.jsonl", "a") as f:
-                f.write(json.dumps({"round": r, "step": i + 1, "run_id": run_id, **{k: round(v, 5) for k, v in metrics.items()}}) + "\n")
+                rec = {"round": r, "step": i + 1, "run_id": run_id, **{k: round(v, 5) for k, v in metrics.items()}}
+                f.write(json.dumps(rec) + "\n")
         return metrics
 
     def _eval(self, seqs) -> dict:
@@ -354,8 +359,10 @@ class OnlineTrainer:
         _write_json_atomic(self.state_path, self.state)
         from mlflow.entities import Param
 
-        params = {**{f"loss.{k}": v for k, v in to_dict(cfg.loss).items()}, **{f"train.{k}": v for k, v in to_dict(cfg.train).items()},
-                  "deepspeed.zero_stage": cfg.deepspeed.zero_stage, "world_size": self.world, "min_new_rounds": cfg.buffer.min_new_rounds,
+        params = {**{f"loss.{k}": v for k, v in to_dict(cfg.loss).items()},
+                  **{f"train.{k}": v for k, v in to_dict(cfg.train).items()},
+                  "deepspeed.zero_stage": cfg.deepspeed.zero_stage, "world_size": self.world,
+                  "min_new_rounds": cfg.buffer.min_new_rounds,
                   "heldout_frac": cfg.buffer.heldout_frac, "parent_version": self.state["base_version"], **info,
                   "data_window": f"{window['shards'][0]}..{window['shards'][-1]} ({len(window['shards'])} shards)",
                   "data_time_range": f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(window['t_min_ns'] / 1e9))}.."
@@ -393,7 +400,9 @@ class OnlineTrainer:
         """Register the pending round's drafter (once), apply the gate, close its run; idempotent."""
         p = self.state["pending"]
         s = p["summary"]
-        version = self._version_of_run(p["run_id"]) or str(self.registry.register(p["export"], run_id=p["run_id"], tags=p["tags"]))
+        version = self._version_of_run(p["run_id"])  # registered before a crash: never register twice
+        if version is None:
+            version = self.registry.register(p["export"], run_id=p["run_id"], tags=p["tags"])
         if s["promote"]:
             self.registry.set_champion(version)
             self.registry.tag_version(version, "gate", "promoted")
