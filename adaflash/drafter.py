@@ -110,7 +110,7 @@ class Drafter(nn.Module):
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.fc.weight.dtype, capacity)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.fc.weight.dtype, capacity, self.fc.weight.device)
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """[B, T, n*H] target-layer features -> [B, T, H] context features."""
@@ -129,7 +129,7 @@ class Drafter(nn.Module):
         if t == 0:
             return
         if valid is None:
-            valid = torch.ones(b, t, dtype=torch.bool)
+            valid = torch.ones(b, t, dtype=torch.bool, device=feats.device)
         ctx = self.fuse(feats)  # [B, T, H]
         start, positions = cache.append(valid)  # positions: [B, T]
         cos, sin = self.rotary(positions, ctx.dtype)
@@ -145,10 +145,10 @@ class Drafter(nn.Module):
         Asking only for the drafts that will be verified skips most of the LM head."""
         k_blk = self.block_size
         x = self.block_input(last_token)  # [B, K, H]
-        positions = cache.next_pos[:, None] + torch.arange(k_blk)  # [B, K]: the anchor sits at next_pos
+        positions = cache.next_pos[:, None] + torch.arange(k_blk, device=x.device)  # [B, K]: the anchor sits at next_pos
         cos, sin = self.rotary(positions, x.dtype)
         n = cache.length
-        mask = torch.cat([cache.valid[:, :n], torch.ones(x.shape[0], k_blk, dtype=torch.bool)], dim=1)
+        mask = torch.cat([cache.valid[:, :n], torch.ones(x.shape[0], k_blk, dtype=torch.bool, device=x.device)], dim=1)
         mask = mask[:, None, None, :]  # [B, 1, 1, n + K]: all context and the whole block, no causal mask
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -170,7 +170,7 @@ class Drafter(nn.Module):
         ctx = self.fuse(torch.cat(feats)[None])  # [1, N, H]
         slots, pos = [], []
         for cache, n in zip(caches, lens):
-            start, p = cache.append(torch.ones(1, n, dtype=torch.bool))
+            start, p = cache.append(torch.ones(1, n, dtype=torch.bool, device=ctx.device))
             slots.append(start)
             pos.append(p)
         cos, sin = self.rotary(torch.cat(pos, dim=1), ctx.dtype)
@@ -188,9 +188,9 @@ class Drafter(nn.Module):
         last_tokens [R] -> (draft logits [R, K-1, V] fp32, block hidden states [R, K, H])."""
         k_blk = self.block_size
         x = self.block_input(last_tokens)  # [R, K, H]
-        positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk)  # [R, K]
+        positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk, device=x.device)  # [R, K]
         cos, sin = self.rotary(positions, x.dtype)
-        ones = torch.ones(1, k_blk, dtype=torch.bool)
+        ones = torch.ones(1, k_blk, dtype=torch.bool, device=x.device)
         masks = [torch.cat([c.valid[:, : c.length], ones], dim=1)[:, None, None] for c in caches]  # [1, 1, 1, n_i + K]
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -220,14 +220,16 @@ class Drafter(nn.Module):
         ctx = self.fuse(feats)  # [B, T, H]
         safe = anchors.clamp(min=0)
         x = self.block_input(torch.gather(tokens, 1, safe)).reshape(b, nb * k_blk, -1)  # [B, NB*K, H]
-        blk_pos = (safe[:, :, None] + torch.arange(k_blk)).reshape(b, nb * k_blk)  # [B, NB*K]
-        ctx_pos = torch.arange(t).expand(b, t)
+        dev = tokens.device
+        blk_pos = (safe[:, :, None] + torch.arange(k_blk, device=dev)).reshape(b, nb * k_blk)  # [B, NB*K]
+        ctx_pos = torch.arange(t, device=dev).expand(b, t)
         cos_b, sin_b = self.rotary(blk_pos, x.dtype)
         cos_c, sin_c = self.rotary(ctx_pos, x.dtype)
         # mask [B, 1, NB*K, T + NB*K]
-        block_of = torch.arange(nb).repeat_interleave(k_blk)  # [NB*K]
+        block_of = torch.arange(nb, device=dev).repeat_interleave(k_blk)  # [NB*K]
         anchor_q = safe.repeat_interleave(k_blk, dim=1)  # [B, NB*K]
-        sees_ctx = (torch.arange(t)[None, None, :] < anchor_q[:, :, None]) & (torch.arange(t)[None, None, :] < lengths[:, None, None])
+        cols = torch.arange(t, device=dev)[None, None, :]
+        sees_ctx = (cols < anchor_q[:, :, None]) & (cols < lengths.to(dev)[:, None, None])
         sees_blk = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
         mask = torch.cat([sees_ctx, sees_blk], dim=2)[:, None]
         for layer in self.layers:

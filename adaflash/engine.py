@@ -237,13 +237,14 @@ class Engine:
 
     def _admit(self) -> list[RequestState]:
         new, budget = [], self.token_budget - self.demand()
+        dev = self.target.lm_head.weight.device
         while self.waiting and len(self.running) + len(new) < self.max_batch and len(self.waiting[0].prompt_ids) <= budget:
             req = self.waiting.popleft()
             budget -= len(req.prompt_ids)
             cap = len(req.prompt_ids) + req.max_new_tokens + self.k_blk + 1
             st = RequestState(req, self.slot, self.target.new_cache(1, cap),
                               self.drafter.new_cache(1, cap) if self.policy.drafts else None,
-                              torch.Generator().manual_seed(req.seed), t_start=time.perf_counter())
+                              torch.Generator(device=dev).manual_seed(req.seed), t_start=time.perf_counter())
             st.ema_verify = float(self.k_blk)
             new.append(st)
         if not new:
@@ -289,7 +290,8 @@ class Engine:
 
     def _speculate(self, active: list[RequestState]) -> None:
         k_blk = self.k_blk
-        last = torch.tensor([s.out[-1] for s in active])
+        dev = self.target.lm_head.weight.device
+        last = torch.tensor([s.out[-1] for s in active], device=dev)
         hidden = draft_logits = None
         groups = self._groups(active)  # requests per live drafter (more than one only around a swap)
         lens, preds = [0] * len(active), [float("nan")] * len(active)
@@ -307,7 +309,7 @@ class Engine:
         lens = self._fit_budget(lens)
         drafts, qs = [], []
         for i, (s, n) in enumerate(zip(active, lens)):
-            d, q = torch.zeros(0, dtype=torch.long), None
+            d, q = torch.zeros(0, dtype=torch.long, device=dev), None
             if n > 1:
                 d, q = propose(draft_logits[i][: n - 1], s.req.temperature, s.gen)  # [k], [k, V] or None
             drafts.append(d)

@@ -62,14 +62,15 @@ def generate_ar(
 ) -> GenerationResult:
     """Plain decoding: one target forward per token (the denominator of every speedup)."""
     check_length(model, len(prompt_ids), max_new_tokens)
-    gen = torch.Generator().manual_seed(seed)
+    dev = model.lm_head.weight.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
     t0 = time.perf_counter()
     cache = model.new_cache(1, len(prompt_ids) + max_new_tokens + 1)
-    logits, _ = model(torch.tensor([prompt_ids]), cache, logits_last_only=True)
+    logits, _ = model(torch.tensor([prompt_ids], device=dev), cache, logits_last_only=True)
     res = GenerationResult(output_ids=[], target_forwards=1)
     out, done = _stop([int(pick(logits[0, -1], temperature, gen))], set(eos_ids), max_new_tokens)
     while not done:
-        logits, _ = model(torch.tensor([[out[-1]]]), cache, logits_last_only=True)
+        logits, _ = model(torch.tensor([[out[-1]]], device=dev), cache, logits_last_only=True)
         res.target_forwards += 1
         res.rounds += 1
         res.committed += 1
@@ -88,19 +89,20 @@ def generate_dflash(
     k_blk = drafter.block_size
     n_verify = min(verify_len or k_blk, k_blk) - 1  # drafts verified per round
     check_length(model, len(prompt_ids), max_new_tokens, k_blk)
-    gen = torch.Generator().manual_seed(seed)
+    dev = model.lm_head.weight.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
     eos = set(eos_ids)
     t0 = time.perf_counter()
     cap = len(prompt_ids) + max_new_tokens + k_blk + 1
     tcache, dcache = model.new_cache(1, cap), drafter.new_cache(1, cap)
-    logits, feats = model(torch.tensor([prompt_ids]), tcache, logits_last_only=True)
+    logits, feats = model(torch.tensor([prompt_ids], device=dev), tcache, logits_last_only=True)
     drafter.extend_context(feats, dcache)
     res = GenerationResult(output_ids=[], target_forwards=1, drafted_at=[0] * (k_blk - 1), accepted_at=[0] * (k_blk - 1))
     out, done = _stop([int(pick(logits[0, -1], temperature, gen))], eos, max_new_tokens)
     while not done:
         k = min(n_verify, max_new_tokens - len(out) - 1)  # never draft past the budget
-        last = torch.tensor([out[-1]])
-        draft, q = torch.zeros(0, dtype=torch.long), None
+        last = torch.tensor([out[-1]], device=dev)
+        draft, q = torch.zeros(0, dtype=torch.long, device=dev), None
         if k > 0:
             draft_logits, _ = drafter.draft(dcache, last, n_logits=k)  # [1, k, V]
             draft, q = propose(draft_logits[0], temperature, gen)  # [k], [k, V] or None

@@ -59,11 +59,12 @@ def verify_sampling(
     b, k = draft.shape
     p_d = p[:, :k].gather(2, draft[..., None])[..., 0]  # [B, k] target prob of each draft
     q_d = q.gather(2, draft[..., None])[..., 0]  # [B, k] drafter prob of each draft
-    u = torch.rand(b, k, generator=generator)
+    u = torch.rand(b, k, generator=generator, device=p.device)
     accept = u * q_d < p_d  # u < p/q without dividing by a zero q
     n = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
-    p_n = p[torch.arange(b), n]  # [B, V] target distribution at the first rejection (or the bonus slot)
-    q_n = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[torch.arange(b), n]  # zero after the last draft
+    rows = torch.arange(b, device=p.device)
+    p_n = p[rows, n]  # [B, V] target distribution at the first rejection (or the bonus slot)
+    q_n = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, n]  # zero after the last draft
     residual = (p_n - q_n).clamp(min=0)
     total = residual.sum(-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_n)  # q == p: fall back to p

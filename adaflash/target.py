@@ -80,11 +80,12 @@ class KVCache:
     so left-padded batches work. `crop` rolls back rejected speculative tokens.
     """
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, dtype, capacity: int = 256):
-        self.k = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype) for _ in range(n_layers)]
-        self.valid = torch.zeros(batch, capacity, dtype=torch.bool)
-        self.next_pos = torch.zeros(batch, dtype=torch.long)
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, dtype, capacity: int = 256,
+                 device: torch.device | str | None = None):
+        self.k = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0
 
     @property
@@ -154,7 +155,7 @@ class TargetModel(nn.Module):
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.dtype, capacity)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.dtype, capacity, self.lm_head.weight.device)
 
     @torch.no_grad()
     def forward(
@@ -166,13 +167,14 @@ class TargetModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `input_ids` to the cache; return (logits [B, T or 1, V] fp32, features [B, T, n*H])."""
         b, t = input_ids.shape
+        dev = input_ids.device
         if valid is None:
-            valid = torch.ones(b, t, dtype=torch.bool)
+            valid = torch.ones(b, t, dtype=torch.bool, device=dev)
         start, positions = cache.append(valid)  # positions: [B, T]
         end = start + t
         # Query slot i (absolute start+i) sees valid key slots <= itself, and always itself (keeps pad rows finite).
-        slots = torch.arange(end)
-        qslots = torch.arange(start, end)
+        slots = torch.arange(end, device=dev)
+        qslots = torch.arange(start, end, device=dev)
         causal = slots[None, :] <= qslots[:, None]  # [T, S]
         mask = (cache.valid[:, None, :end] & causal[None]) | (slots[None, None, :] == qslots[None, :, None])
         mask = mask[:, None]  # [B, 1, T, S]
@@ -204,19 +206,21 @@ class TargetModel(nn.Module):
         longest); attention runs per request against its own cache with a causal mask.
         Returns per request (logits [L_i, V] fp32, features [L_i, n*H])."""
         lens = [int(t.numel()) for t in tokens]
+        dev = self.lm_head.weight.device
+        tokens = [t.to(dev) for t in tokens]
         bounds = [0]
         for n in lens:
             bounds.append(bounds[-1] + n)
         slots, pos = [], []
         for cache, n in zip(caches, lens):
-            start, p = cache.append(torch.ones(1, n, dtype=torch.bool))
+            start, p = cache.append(torch.ones(1, n, dtype=torch.bool, device=dev))
             slots.append(start)
             pos.append(p)
         cos, sin = self.rotary(torch.cat(pos, dim=1), self.dtype)  # [1, 1, N, D]
         masks = []
         for cache, start, n in zip(caches, slots, lens):
-            keys = torch.arange(start + n)
-            masks.append((cache.valid[:, None, : start + n] & (keys[None, :] <= torch.arange(start, start + n)[:, None]))[:, None])
+            keys = torch.arange(start + n, device=dev)
+            masks.append((cache.valid[:, None, : start + n] & (keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]))[:, None])
         x = self.model.embed_tokens(torch.cat(tokens)[None])  # [1, N, H]
         feats = []
         for li, layer in enumerate(self.model.layers):
