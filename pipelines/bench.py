@@ -4,7 +4,7 @@ Methods: `ar` (plain decoding through our engine), `fixed` (DFlash, verify the w
 `fixedK` (verify K), `ema` (one verify length per batch from an EMA of acceptance, SGLang's
 approach), `head` (AdaFlash length head, per request), and the transformers peers `hf`
 (`generate`, batched with left padding) and `hf-pld` (prompt-lookup assisted generation, which
-transformers runs one request at a time). For every domain x concurrency cell the methods run in an
+transformers runs one request at a time, so it is measured at concurrency 1 only). For every domain x concurrency cell the methods run in an
 order rotated per cell, so machine noise hits all alike. Each cell keeps `concurrency` requests in
 flight until its prompts are done (a closed loop).
 """
@@ -120,7 +120,7 @@ def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[
             prompts = prompts[: max(min_requests, conc)]
         order = methods[ci % len(methods) :] + methods[: ci % len(methods)]  # rotate: noise hits all alike
         cell = {}
-        for m in order:
+        for m in [m for m in order if not (m == "hf-pld" and conc > 1)]:  # transformers' PLD is batch-1 only
             bar.set_postfix(domain=domain, concurrency=conc, method=m)
             if m in HF_METHODS:
                 cell[m] = run_hf(m, hf_model, prompts, conc, max_new, target.eos_ids, pad_id)
@@ -129,7 +129,7 @@ def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[
             bar.update(1)
         base = cell.get("ar", {}).get("tokens_per_s")
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB, peak of the process so far
-        for m in methods:
+        for m in [m for m in methods if m in cell]:
             r = cell[m]
             r.update(method=m, domain=domain, concurrency=conc, speedup_vs_ar=(r["tokens_per_s"] / base) if base else None,
                      peak_rss_mib=round(rss))

@@ -20,7 +20,8 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert code == 0
     res = json.loads((out / "results.json").read_text())
     rows = res["rows"]
-    assert len(rows) == 7 * 2
+    assert len(rows) == 7 * 2 - 1  # hf-pld (batch-1 only in transformers) runs at concurrency 1 only
+    assert {r["concurrency"] for r in rows if r["method"] == "hf-pld"} == {1}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["n_requests"] == 6
         if r["method"] == "ar":
