@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that live beside their component: each module has register(subparsers), which adds one
 # or more subparsers with set_defaults(func=...) (the func returns an exit code, raises UsageError).
-COMMAND_MODULES: list[str] = ["adaflash.registry_cli", "adaflash.server.cli", "adaflash.loadgen", "adaflash.up", "adaflash.trainer.cli"]
+COMMAND_MODULES: list[str] = ["adaflash.registry_cli", "adaflash.server.cli", "adaflash.loadgen", "adaflash.up", "adaflash.trainer.cli",
+                              "adaflash.pipelines.experiment_cli"]
 
 
 def main(argv: list[str] | None = None) -> int:
