@@ -195,13 +195,20 @@ class Engine:
         with self._lock:
             self._cancel.add(request_id)
 
-    def _apply_control(self) -> list[RequestState]:
+    def apply_swap(self) -> bool:
+        """Make a staged drafter live now; step() calls it, an idle server calls it between polls."""
         with self._lock:
             pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        self.slot = pending
+        self.stats["swaps"] += 1
+        return True
+
+    def _apply_control(self) -> list[RequestState]:
+        self.apply_swap()
+        with self._lock:
             cancel, self._cancel = self._cancel, set()
-        if pending is not None:
-            self.slot = pending
-            self.stats["swaps"] += 1
         dropped = []
         if cancel:
             keep = deque()

@@ -196,6 +196,8 @@ class EngineRunner:
                     return
             if not self.engine.idle:
                 self._step()
+            else:
+                self.engine.apply_swap()  # an idle server still goes live with a new drafter
             if self.writer is not None:
                 try:
                     self.writer.flush_if_due()
