@@ -150,6 +150,7 @@ class Result:
     tau: float | None = None
     drafter_version: str | None = None
     error: str | None = None
+    id: str | None = None  # the server's response id (= the request_id of its trajectory row)
 
     def record(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -234,6 +235,7 @@ class LoadGen:
         res = Result(t, time.monotonic() - start, domain, phase, data is not None, status, retries, error=error)
         if data is not None:
             stats = data.get("adaflash") or {}
+            res.id = data.get("id")
             res.completion_tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
             res.tau = float(stats["tau"]) if stats.get("tau") is not None else None
             version = stats.get("drafter_version", stats.get("version"))

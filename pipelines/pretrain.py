@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,17 +194,21 @@ def dflash_loss(drafter: Drafter, batch: dict, gamma: float, metrics: bool = Tru
 
 
 def init_distributed() -> None:
-    """Single-process DeepSpeed on CPU (gloo) unless a launcher already set the rank variables."""
+    """Single-process DeepSpeed on CPU (gloo) unless a launcher already set the rank variables.
+    A single process rendezvouses through a file, not a TCP port another process could grab first."""
+    init_method = None
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="adaflash-dist-"), "store")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if init_method is None:
+        deepspeed.init_distributed(dist_backend=backend)
+    else:
+        deepspeed.init_distributed(dist_backend=backend, init_method=init_method, rank=0, world_size=1)
 
 
 def ds_config(tc: TrainSection) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 from adaflash.cli import main
 
@@ -10,9 +11,11 @@ from adaflash.cli import main
 def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?", "domain": "math"}) + "\n" for i in range(6)))
-    common = ["--target", str(tiny_hf_dir), "--drafter", str(tiny_drafter_dir), "--prompts-file", str(prompts), "--max-new-tokens", "10"]
+    drafter = tmp_path / "drafter"  # fit-head writes the head beside the drafter: keep the shared fixture head-free
+    shutil.copytree(tiny_drafter_dir, drafter)
+    common = ["--target", str(tiny_hf_dir), "--drafter", str(drafter), "--prompts-file", str(prompts), "--max-new-tokens", "10"]
     assert main(["fit-head", *common, "--concurrency", "3", "--epochs", "2"]) == 0
-    metrics = json.loads((tiny_drafter_dir / "length_head.json").read_text())["metrics"]
+    metrics = json.loads((drafter / "length_head.json").read_text())["metrics"]
     assert metrics["rounds"] > 0 and metrics["n_val"] > 0
     out = tmp_path / "bench"
     code = main(["bench", *common, "--methods", "ar,fixed,fixed2,ema,head,hf,hf-pld", "--concurrency", "1,3",
