@@ -23,14 +23,9 @@ from adaflash.config import from_dict, load_config
 from adaflash.server.config import ServeConfig
 from adaflash.trainer.config import OnlineConfig
 from adaflash.up import UpConfig, derive_config
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fill(obj, subs: dict):
@@ -49,7 +44,7 @@ def tiny_up_config(tmp_path: Path, hf_dir: Path, drafter_dir: Path) -> Path:
     data = yaml.safe_load((REPO / "configs/up_tiny.yaml").read_text())
     data = _fill(data, {"PATH-TO-RUN-DIR": tmp_path / "up", "PATH-TO-TINY-TARGET": hf_dir,
                         "PATH-TO-TINY-DRAFTER": drafter_dir})
-    data["mlflow"]["port"], data["serve"]["port"] = _free_port(), _free_port()
+    data["mlflow"]["port"], data["serve"]["port"] = free_port(), free_port()
     path = tmp_path / "up.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
