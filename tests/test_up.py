@@ -1,7 +1,8 @@
 """`adaflash up`: the generated serve/train configs load in their real config classes, a busy port
 is refused up front, and the whole loop (real MLflow server, registry bootstrap, `adaflash serve`,
 `adaflash train`, `adaflash loadgen`) runs on the tiny target until a trainer round lands in the
-registry, then stops cleanly on SIGINT, leaving no process behind."""
+registry and the server swaps to the promoted version, then stops cleanly on SIGINT, leaving no
+process behind."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def tiny_up_config(tmp_path: Path, hf_dir: Path, drafter_dir: Path) -> Path:
     data = _fill(data, {"PATH-TO-RUN-DIR": tmp_path / "up", "PATH-TO-TINY-TARGET": hf_dir,
                         "PATH-TO-TINY-DRAFTER": drafter_dir})
     data["mlflow"]["port"], data["serve"]["port"] = free_port(), free_port()
+    # a tiny random drafter's held-out tau is noise: let the gate promote every round (min_heldout_blocks
+    # stays) so the loop's promote -> hot-swap path runs in the test
+    data["train"]["set"]["gate.tolerance"] = 100.0
     path = tmp_path / "up.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -138,6 +142,11 @@ def test_whole_loop_until_a_round_lands_then_ctrl_c(tiny_hf_dir, tiny_drafter_di
                 versions = requests.get(api, params={"filter": f"name='{cfg.model_name}'"}, timeout=2).json().get("model_versions", [])
             except (requests.RequestException, ValueError):
                 versions = []
+        status_url = f"http://127.0.0.1:{cfg.serve.port}/v1/status"
+        swap_deadline = time.monotonic() + 30  # the server polls the registry every 2 s
+        while requests.get(status_url, timeout=5).json().get("drafter_version") in ("0", "1"):
+            assert time.monotonic() < swap_deadline, "the server did not swap to the promoted version"
+            time.sleep(0.5)
         time.sleep(2.5)  # one more view refresh
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
         assert proc.wait(120) == 0
