@@ -331,6 +331,7 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
     from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
 
     run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)  # a run that reuses another's answers_dir starts at `train`
     prompts_dir = run_dir / "prompts"
     timings, summary = {}, {}
     for stage in [s for s in STAGES if s in stages]:
@@ -360,7 +361,6 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
             summary[stage] = {d: {name: {"tau": round(v["tau"], 2), "speedup": round(v["speedup"], 2)}
                                   for name, v in r["variants"].items()} for d, r in report["domains"].items()}
         timings[stage] = round(time.perf_counter() - t0, 1)
-    run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "stages.jsonl", "a") as f:
         f.write(json.dumps({"stages": timings, "summary": summary, "time": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     return {"seconds": timings, **summary}

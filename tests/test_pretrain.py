@@ -41,6 +41,11 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
     with pytest.raises(FileNotFoundError, match="domains"):
         AnswerSet(tmp_path / "run" / "answers", ["aime"])
 
+    code_only = tiny_config(tmp_path, str(tiny_hf_dir), max_steps=1)  # reuses the answers, fresh run_dir
+    code_only.run_dir, code_only.answers_dir, code_only.train.domains = str(tmp_path / "run-code"), str(tmp_path / "run" / "answers"), ["code"]
+    run_stages(code_only, ["train"])
+    assert (tmp_path / "run-code" / "checkpoints" / "latest").exists()
+
     run_stages(cfg, ["train"])
     cfg.train.max_steps = 4
     run_stages(cfg, ["train"])  # resumes from the step-2 DeepSpeed checkpoint
