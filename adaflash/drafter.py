@@ -183,9 +183,10 @@ class Drafter(nn.Module):
                 a += n
 
     @torch.no_grad()
-    def draft_many(self, caches: list[KVCache], last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_many(self, caches: list[KVCache], last_tokens: torch.Tensor) -> torch.Tensor:
         """Ragged batch of `draft`: one block per request, each attending to its own context cache.
-        last_tokens [R] -> (draft logits [R, K-1, V] fp32, block hidden states [R, K, H])."""
+        last_tokens [R] -> final block hidden states [R, K, H]. No logits: the engine asks `logits` only
+        for the positions it will verify (the LM head over 15 positions costs ~3 target token-forwards)."""
         k_blk = self.block_size
         x = self.block_input(last_tokens)  # [R, K, H]
         positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk, device=x.device)  # [R, K]
@@ -204,8 +205,12 @@ class Drafter(nn.Module):
                 outs.append(attn.attend_heads(q[i : i + 1], k, v, masks[i]))
             x = x + attn.o_proj(torch.cat(outs, dim=0))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        h = self.norm(x)
-        return self.lm_head(h[:, 1:].contiguous()).float(), h  # contiguous: see draft()
+        return self.norm(x)
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits for block hidden states h [..., H] -> [..., V] fp32."""
+        return self.lm_head(h.contiguous()).float()  # contiguous: see draft()
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Training forward over many blocks per sequence (DFlash recipe).

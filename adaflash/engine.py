@@ -303,17 +303,18 @@ class Engine:
         groups = self._groups(active)  # requests per live drafter (more than one only around a swap)
         lens, preds = [0] * len(active), [float("nan")] * len(active)
         if self.policy.drafts:
-            draft_logits = [None] * len(active)
             hidden = [None] * len(active)
             for slot, idx in groups:
-                dl, hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx])  # [r, K-1, V], [r, K, H]
+                hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx])  # [r, K, H]
                 gl, gp = self.policy.lengths([active[i] for i in idx], hd, k_blk)
                 for j, i in enumerate(idx):
-                    draft_logits[i], hidden[i], lens[i], preds[i] = dl[j], hd[j], gl[j], gp[j]
+                    hidden[i], lens[i], preds[i] = hd[j], gl[j], gp[j]
         else:
             lens, preds = self.policy.lengths(active, None, k_blk)
         lens = [max(1, min(n, s.req.max_new_tokens - len(s.out))) for n, s in zip(lens, active)]  # never past the budget
         lens = self._fit_budget(lens)
+        if self.policy.drafts:
+            draft_logits = self._draft_logits(groups, hidden, lens)
         drafts, qs = [], []
         for i, (s, n) in enumerate(zip(active, lens)):
             d, q = torch.zeros(0, dtype=torch.long, device=dev), None
@@ -344,6 +345,20 @@ class Engine:
             for slot, idx in groups:
                 slot.drafter.extend_many([new_feats[i] for i in idx], [active[i].dcache for i in idx])
         self.policy.observe(active, accepted)
+
+    @staticmethod
+    def _draft_logits(groups, hidden: list[torch.Tensor], lens: list[int]) -> list[torch.Tensor | None]:
+        """Draft logits only for the positions each request verifies: hidden[i] [K, H] -> [lens[i]-1, V].
+        One LM-head call per drafter over the packed rows."""
+        out: list[torch.Tensor | None] = [None] * len(hidden)
+        for slot, idx in groups:
+            idx = [i for i in idx if lens[i] > 1]
+            if not idx:
+                continue
+            rows = torch.cat([hidden[i][1 : lens[i]] for i in idx])  # [sum(len-1), H]
+            for i, lg in zip(idx, slot.drafter.logits(rows).split([lens[i] - 1 for i in idx])):
+                out[i] = lg  # [lens[i]-1, V]
+        return out
 
     @staticmethod
     def _groups(active: list[RequestState]) -> list[tuple[DrafterSlot, list[int]]]:
