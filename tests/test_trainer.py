@@ -286,6 +286,17 @@ def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_se
     OnlineTrainer(cfg, log=lines.append)
     assert json.loads((tmp_path / "ckpt-new" / "init" / "config.json").read_text())["online"]["started_from"] == "1"
 
+    # the champion moved outside the trainer (a promotion / rollback in the UI): the next round trains from it
+    reg.set_champion("2")
+    assert trainer.run(1) == 1  # tolerance still impossible: rejected, rolled back to the followed weights
+    v3 = reg.versions()[2]
+    assert v3["tags"]["parent_version"] == "2" and reg.champion() == "2"
+    live = {**trainer.engine.module.drafter.state_dict(), **trainer.engine.module.head.state_dict()}
+    assert all(torch.equal(live[k], w2[k]) for k in w2)
+    state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
+    assert state["weights_tag"] == "champion-v2" and state["base_version"] == "2" and state["champion"] == "2"
+    assert any("champion moved to v2 outside the trainer" in x for x in lines)
+
 
 def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monkeypatch, served, mlflow_server,
                                                                   tiny_hf_dir, tiny_drafter_dir):

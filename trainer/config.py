@@ -21,6 +21,7 @@ class TargetSection:
 class DrafterSection:
     init_dir: str = "models/drafter-smollm2"  # start here when the registry has no champion yet
     from_registry: bool = True  # start from the registry's champion when there is one
+    follow_champion: bool = True  # a champion moved outside the trainer (UI rollback) is what the next round trains
     save_dtype: str = "bfloat16"  # dtype of the weights registered each round (float32 for exact copies)
 
     def __post_init__(self):

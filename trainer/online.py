@@ -18,7 +18,10 @@ shards uncommitted and the checkpoint without them: they are retrained once. A k
 and the ledger commit is completed on restart from state.json (no retraining); a kill during publish is
 finished on restart, looking the version up by its MLflow run first so it is registered once.
 
-Files in `checkpoint.dir`: init/ (starting drafter + head), round{N}/ (DeepSpeed tags), state.json,
+Before each round the trainer follows the registry: if `champion` was moved by someone else (a rollback
+in the MLflow UI), it loads that version and trains from it (`drafter.follow_champion`).
+
+Files in `checkpoint.dir`: init/ (starting drafter + head), round{N}/ and champion-v{N}/ (DeepSpeed tags), state.json,
 rounds.jsonl (one line per finished round: shards, version, gate), steps.jsonl (one line per step).
 Multi-process under the deepspeed launcher: rank 0 owns the ledger, state, MLflow and the registry and
 broadcasts each round's shard names; every rank trains its own slice of each step's sequences.
@@ -167,6 +170,7 @@ class OnlineTrainer:
             self.reader = ShardReader(cfg.buffer.dir)
             self._recover()
         self._waiting: list = []  # polled shards not yet in a round (rank 0)
+        self._refused: set[str] = set()  # champions moved in from outside that do not fit
         self._reported = -1  # verification rounds waiting at the last "waiting for data" line
 
     # ------------------------------------------------------------------ start / recovery
@@ -233,9 +237,48 @@ class OnlineTrainer:
             if names is None:
                 time.sleep(self.cfg.buffer.poll_interval_s)
                 continue
+            self._follow_champion()
             self.update_round(names)
             done += 1
         return done
+
+    def _follow_champion(self) -> None:
+        """When `champion` moved outside this trainer (a rollback or promotion in the MLflow UI), the next
+        round trains from that version, so new versions descend from what serving runs. Optimizer
+        moments carry over; a version that does not fit the target is logged and ignored."""
+        moved = None
+        if self.rank == 0 and self.cfg.drafter.follow_champion:
+            version = self.registry.champion()
+            if version is not None and version != self.state["champion"] and version not in self._refused:
+                moved = (version, str(self.registry.download(version, self.ckpt / "download")))
+        moved = self._bcast(moved)
+        if moved is None:
+            return
+        version, path = moved
+        try:
+            drafter = load_drafter(path, self.target.model, self.target.identity, torch.float32)
+            head = load_length_head(path, drafter.config.hidden_size) if (Path(path) / "length_head.json").exists() else None
+        except (ValueError, OSError) as e:
+            self._refused.add(version)
+            self.log(f"[train] champion v{version} was moved outside the trainer but does not fit ({e}); keeping v{self.state['base_version']}")
+            return
+        module = self.engine.module
+        with torch.no_grad():
+            for name, p in module.drafter.named_parameters():
+                p.copy_(drafter.get_parameter(name))
+            if head is not None:
+                for name, p in module.head.named_parameters():
+                    p.copy_(head.get_parameter(name))
+        tag = f"champion-v{version}"
+        self.engine.save_checkpoint(str(self.ckpt), tag=tag)
+        self._barrier()
+        if self.rank == 0:
+            self.log(f"[train] champion moved to v{version} outside the trainer (was v{self.state['champion']}): training from it")
+            self.state.update(champion=version, base_version=version, weights_tag=tag)
+            _write_json_atomic(self.state_path, self.state)
+            shutil.rmtree(path, ignore_errors=True)
+            self._cleanup()
+        self.state = self._bcast(self.state)
 
     def _take_round(self) -> list[str] | None:
         """The oldest polled shards holding >= min_new_rounds verification rounds, or None (keep waiting)."""
@@ -435,7 +478,8 @@ class OnlineTrainer:
 
     def _cleanup(self) -> None:
         """Keep the live DeepSpeed tag and the `checkpoint.keep` newest others."""
-        tags = sorted((p for p in self.ckpt.glob("round*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        tags = [p for p in self.ckpt.iterdir() if p.is_dir() and re.fullmatch(r"round\d+|champion-v\d+", p.name)]
+        tags.sort(key=lambda p: p.stat().st_mtime)
         old = [p for p in tags if p.name != self.state["weights_tag"]][: -self.cfg.checkpoint.keep]
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
