@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaflash.layers import DecoderLayer, RMSNorm, Rotary
+from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary
 
 
 @dataclass
@@ -144,7 +144,7 @@ class TargetModel(nn.Module):
         self.config = config
         self.feature_layers = feature_layers or default_feature_layers(config.num_layers)
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config.head_dim, config.rope_theta)

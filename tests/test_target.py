@@ -117,3 +117,17 @@ def test_packed_ragged_verification_matches_separate_forwards():
         torch.testing.assert_close(feats[i], ref_feats[0], atol=1e-4, rtol=1e-4)
         assert packed_caches[i].length == ref_caches[i].length
         torch.testing.assert_close(packed_caches[i].k[1][:, :, : ref_caches[i].length], ref_caches[i].k[1][:, :, : ref_caches[i].length])
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (2, 576), (1, 3, 576), (3, 576), (1, 4, 576), (2, 5, 576), (0, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_pads_short_float32_batches_without_changing_rows(shape, dtype):
+    from adaflash.layers import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(576, 200, bias=True).to(dtype)
+    x = torch.randn(*shape, dtype=dtype)
+    out = lin(x)
+    ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    assert out.shape == ref.shape == (*shape[:-1], 200)
+    torch.testing.assert_close(out, ref)
