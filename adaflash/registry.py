@@ -421,12 +421,18 @@ class HotSwapper:
         return self.interval_s
 
     def _load(self, path: Path):
-        """Load and check a downloaded version against the serving target: identity, shapes, finite weights."""
-        from adaflash.drafter import load_drafter
-        from adaflash.length_head import load_length_head
-
         current = self.engine.drafter
         dtype = current.fc.weight.dtype if current is not None else None  # same dtype as the one serving
-        drafter = load_drafter(path, self.target.model, self.target.identity, dtype)
-        head = load_length_head(path, drafter.config.hidden_size) if (path / "length_head.json").exists() else None
-        return drafter, head
+        return load_version(path, self.target, dtype)
+
+
+def load_version(path: str | Path, target, dtype=None):
+    """A downloaded version's (drafter, length head or None), checked against `target` (identity, shapes,
+    finite weights; ValueError otherwise). Used by serving (hot-swap) and by the trainer (follow)."""
+    from adaflash.drafter import load_drafter
+    from adaflash.length_head import load_length_head
+
+    path = Path(path)
+    drafter = load_drafter(path, target.model, target.identity, dtype)
+    head = load_length_head(path, drafter.config.hidden_size) if (path / "length_head.json").exists() else None
+    return drafter, head

@@ -46,6 +46,7 @@ from adaflash.config import to_dict
 from adaflash.drafter import Drafter, load_drafter
 from adaflash.length_head import LengthHead, LengthHeadConfig, load_length_head, save_length_head
 from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
+from adaflash.registry import load_version
 from adaflash.target import load_target
 from adaflash.trainer.config import OnlineConfig
 from adaflash.trainer.data import capture_output, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
@@ -182,10 +183,8 @@ class OnlineTrainer:
             version = self.registry.champion()
             if version is not None:
                 src = Path(self.registry.download(version, self.ckpt / "download"))
-        drafter = load_drafter(src, self.target.model, self.target.identity, torch.float32)
-        if (src / "length_head.json").exists():
-            head = load_length_head(src, drafter.config.hidden_size)
-        else:
+        drafter, head = load_version(src, self.target, torch.float32)
+        if head is None:
             torch.manual_seed(cfg.train.seed)
             head = LengthHead(LengthHeadConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.block_size))
         init = self.ckpt / "init"
@@ -256,8 +255,7 @@ class OnlineTrainer:
             return
         version, path = moved
         try:
-            drafter = load_drafter(path, self.target.model, self.target.identity, torch.float32)
-            head = load_length_head(path, drafter.config.hidden_size) if (Path(path) / "length_head.json").exists() else None
+            drafter, head = load_version(path, self.target, torch.float32)
         except (ValueError, OSError) as e:
             self._refused.add(version)
             self.log(f"[train] champion v{version} was moved outside the trainer but does not fit ({e}); keeping v{self.state['base_version']}")
