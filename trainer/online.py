@@ -260,13 +260,9 @@ class OnlineTrainer:
             self._refused.add(version)
             self.log(f"[train] champion v{version} was moved outside the trainer but does not fit ({e}); keeping v{self.state['base_version']}")
             return
-        module = self.engine.module
-        with torch.no_grad():
-            for name, p in module.drafter.named_parameters():
-                p.copy_(drafter.get_parameter(name))
-            if head is not None:
-                for name, p in module.head.named_parameters():
-                    p.copy_(head.get_parameter(name))
+        self.engine.module.drafter.load_state_dict(drafter.state_dict())  # in place: the optimizer keeps its params
+        if head is not None:
+            self.engine.module.head.load_state_dict(head.state_dict())
         tag = f"champion-v{version}"
         self.engine.save_checkpoint(str(self.ckpt), tag=tag)
         self._barrier()
