@@ -300,7 +300,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_parquet_atomic(table: pa.Table, final: Path) -> None:
+def write_parquet_atomic(table: pa.Table, final: Path) -> None:
     """Write ``table`` to ``final`` via ``.{name}.tmp`` + fsync + ``os.replace``."""
     tmp = final.with_name(f".{final.name}.tmp")
     try:
@@ -457,7 +457,7 @@ class ShardWriter:
         _write_text_atomic(self._seq_path, f"{seq}\n")
         self._seq = seq
         name = f"{self.writer_id}-{seq:08d}.parquet"
-        _write_parquet_atomic(table, self.root / name)  # on error the buffer is kept
+        write_parquet_atomic(table, self.root / name)  # on error the buffer is kept
         self._batches = []
         self._rows = 0
         self._oldest = None
@@ -759,7 +759,7 @@ class ShardReader:
         meta = dict(TRAJECTORY_SCHEMA.metadata)
         meta[_COMPACTED_FROM_KEY] = json.dumps(used).encode()
         self.archive_dir.mkdir(parents=True, exist_ok=True)
-        _write_parquet_atomic(table.replace_schema_metadata(meta), self.archive_dir / arch_name)
+        write_parquet_atomic(table.replace_schema_metadata(meta), self.archive_dir / arch_name)
         self._append_ledger(
             [
                 {

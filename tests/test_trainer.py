@@ -111,6 +111,23 @@ def test_batch_teacher_rows_and_masks():
     assert 0.15 < sum(is_heldout(f"x{i}", 0.25) for i in range(2000)) / 2000 < 0.35
 
 
+def test_round_memory_keeps_the_last_rounds_and_ignores_a_killed_rounds_file(tmp_path, served):
+    from adaflash.buffer import ShardReader, from_arrow
+    from adaflash.trainer.memory import RoundMemory
+
+    probe = ShardReader(served["root"], ledger_path=tmp_path / "ledger.jsonl")
+    tables = [b.table for b in probe.poll()]  # 3 shards of 4 trajectories
+    mem = RoundMemory(tmp_path / "memory")
+    for r, tab in enumerate(tables, start=1):
+        mem.save(r, [tab])
+    ids = lambda trajs: [t.request_id for t in trajs]  # noqa: E731
+    assert ids(mem.load(3, 2)) == ids(from_arrow(tables[0])) + ids(from_arrow(tables[1]))
+    assert ids(mem.load(2, 5)) == ids(from_arrow(tables[0]))  # round 3's file (a killed round 3) is not read
+    assert mem.load(1, 3) == [] and mem.load(3, 0) == []
+    mem.prune(3, 1)  # round 4 reads round 3 only
+    assert sorted(p.name for p in mem.root.iterdir()) == ["round3.parquet"]
+
+
 def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
     from adaflash.config import ConfigError
 
@@ -120,7 +137,9 @@ def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
     bad = tmp_path / "bad.yaml"
     for text, match in [("loss:\n  kind: kl\n", "kind must be 'opd' or 'osd'"),
                         ("deepspeed:\n  zero_stage: 3\n", "zero_stage must be 0, 1 or 2"),
-                        ("buffer:\n  min_new_round: 5\n", "unknown key.*min_new_round")]:
+                        ("buffer:\n  min_new_round: 5\n", "unknown key.*min_new_round"),
+                        ("train:\n  replay_rounds: -1\n", "replay_rounds must be >= 0"),
+                        ("gate:\n  heldout_rounds: -2\n", "heldout_rounds must be >= 0")]:
         bad.write_text(text)
         with pytest.raises(ConfigError, match=match):
             load_config(bad, OnlineConfig)
@@ -280,6 +299,10 @@ def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_se
     w1, w2 = version_weights(reg, "1", tmp_path / "dl"), version_weights(reg, "2", tmp_path / "dl")
     assert all(torch.equal(live[k], w1[k]) for k in w1) and not all(torch.equal(w1[k], w2[k]) for k in w1)
     assert [h["round"] for h in history(tmp_path / "ckpt")] == [1, 2]
+    # round 2 also trained on round 1's 3 training trajectories and judged on its held-out one (round memory)
+    r1, r2 = history(tmp_path / "ckpt")
+    assert (r1["train"], r1["heldout"], r2["train_new"], r2["heldout_new"]) == (3, 1, 3, 1)
+    assert (r2["train"], r2["heldout"]) == (6, 2)
 
     # a new trainer (fresh checkpoint dir) starts from the registry's champion
     cfg.checkpoint.dir = str(tmp_path / "ckpt-new")

@@ -77,12 +77,15 @@ class TrainSection:
     grad_clip: float = 1.0  # DeepSpeed clips the global norm of drafter + head gradients
     autocast_bf16: bool = False  # bf16 autocast of the drafter forward on CPU
     eval_seqs: int = 8  # trajectories per forward when computing supervision and held-out tau
+    replay_rounds: int = 0  # also train on the training trajectories of this many previous rounds
     seed: int = 0
 
     def __post_init__(self):
         for name in ("steps_per_update", "seqs_per_step", "anchors_per_seq", "eval_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.replay_rounds < 0:
+            raise ValueError(f"replay_rounds must be >= 0 (0 = the new round only), got {self.replay_rounds}")
         if self.lr <= 0 or self.head_lr <= 0:
             raise ValueError("lr and head_lr must be > 0")
 
@@ -120,8 +123,11 @@ class GateSection:
     tolerance: float = 0.0  # promote when held-out tau after >= tau before - tolerance
     min_heldout_blocks: int = 16  # fewer full held-out blocks than this: no verdict, the version is rejected
     on_reject: str = "rollback"  # "rollback": next round starts from the pre-round weights; "continue": keep them
+    heldout_rounds: int = 0  # also judge on the held-out trajectories of this many previous rounds
 
     def __post_init__(self):
+        if self.heldout_rounds < 0:
+            raise ValueError(f"heldout_rounds must be >= 0 (0 = the new round's held-out only), got {self.heldout_rounds}")
         if self.on_reject not in ("rollback", "continue"):
             raise ValueError(f"on_reject must be 'rollback' or 'continue', got {self.on_reject!r}")
         if self.min_heldout_blocks < 1:

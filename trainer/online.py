@@ -5,11 +5,13 @@ every round's drafter to the MLflow model registry.
 One update round:
   1. wait until >= `buffer.min_new_rounds` verification rounds sit in uncommitted shards; take the
      oldest shards up to that count (same rule after a restart, so a retried round sees the same data)
-  2. split trajectories train / held-out by request_id hash; one target forward per trajectory
+  2. split trajectories train / held-out by request_id hash, add the previous rounds' ones kept in the
+     round memory (`train.replay_rounds`, `gate.heldout_rounds`); one target forward per trajectory
   3. held-out tau before; `steps_per_update` DeepSpeed steps on the recorded anchors; held-out tau after
   4. gate: promote when tau after >= tau before - tolerance (and enough held-out blocks)
-  5. durable: export drafter + head, DeepSpeed checkpoint (kept weights only), state.json with the
-     round's shards and what is left to publish, THEN `reader.commit(shards, tag=round)`
+  5. durable: export drafter + head, DeepSpeed checkpoint (kept weights only), the round's trajectories
+     into the round memory, state.json with the round's shards and what is left to publish, THEN
+     `reader.commit(shards, tag=round)`
   6. publish: register the version, move the champion alias or tag it rejected, close the MLflow run
 
 Exactly-once: weights that include a shard become durable (checkpoint + state.json) before the ledger
@@ -22,6 +24,7 @@ Before each round the trainer follows the registry: if `champion` was moved by s
 in the MLflow UI), it loads that version and trains from it (`drafter.follow_champion`).
 
 Files in `checkpoint.dir`: init/ (starting drafter + head), round{N}/ and champion-v{N}/ (DeepSpeed tags), state.json,
+memory/round{N}.parquet (trajectories kept for replay and the gate, trainer/memory.py),
 rounds.jsonl (one line per finished round: shards, version, gate), steps.jsonl (one line per step).
 Multi-process under the deepspeed launcher: rank 0 owns the ledger, state, MLflow and the registry and
 broadcasts each round's shard names; every rank trains its own slice of each step's sequences.
@@ -50,6 +53,7 @@ from adaflash.registry import load_version
 from adaflash.target import load_target
 from adaflash.trainer.config import OnlineConfig
 from adaflash.trainer.data import capture_output, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
+from adaflash.trainer.memory import RoundMemory
 
 
 class OnlineModel(nn.Module):
@@ -135,6 +139,7 @@ class OnlineTrainer:
         self.cfg, self.log = cfg, log
         self.ckpt = Path(cfg.checkpoint.dir)
         self.state_path = self.ckpt / "state.json"
+        self.memory = RoundMemory(self.ckpt / "memory")
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.target = load_target(cfg.target.source, cfg.target.dtype)
@@ -302,16 +307,21 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         tables = self._read(names)
         trajs = [t for tab in tables for t in from_arrow(tab)]
+        frac = cfg.buffer.heldout_frac
         seqs = to_sequences(trajs)
-        held = [s for s in seqs if is_heldout(s.request_id, cfg.buffer.heldout_frac)]
-        train = [s for s in seqs if not is_heldout(s.request_id, cfg.buffer.heldout_frac)]
+        held = [s for s in seqs if is_heldout(s.request_id, frac)]
+        train = [s for s in seqs if not is_heldout(s.request_id, frac)]
+        new_train, new_held = len(train), len(held)
+        replay = to_sequences(self.memory.load(r, cfg.train.replay_rounds))
+        train += [s for s in replay if not is_heldout(s.request_id, frac)]
+        held += [s for s in to_sequences(self.memory.load(r, cfg.gate.heldout_rounds)) if is_heldout(s.request_id, frac)]
         created = [t.created_ns for t in trajs]
         window = {"shards": names, "t_min_ns": min(created), "t_max_ns": max(created),
                   "drafter_versions": sorted({t.drafter_version for t in trajs})}
         info = {"round": r, "rows": len(trajs), "train": len(train), "heldout": len(held),
-                "verify_rounds": sum(len(t.rounds) for t in trajs)}
+                "train_new": new_train, "heldout_new": new_held, "verify_rounds": sum(len(t.rounds) for t in trajs)}
         run_id = self._begin_run(info, window) if self.rank == 0 else None
-        supervise(self.target.model, seqs, cfg.train.eval_seqs)
+        supervise(self.target.model, train + held, cfg.train.eval_seqs)
         before = self._eval(held)
         steps = [self._step(train, r, i, run_id) for i in range(cfg.train.steps_per_update)] if train else []
         after = self._eval(held)
@@ -340,10 +350,12 @@ class OnlineTrainer:
                      "data_window": f"{names[0]}..{names[-1]} ({len(names)} shards)",
                      "tau_before": f"{before['tau']:.4f}", "tau_after": f"{after['tau']:.4f}"}})
         if self.rank == 0:
+            self.memory.save(r, tables)  # before state.json: a restart never reads a later round's file
             _write_json_atomic(self.state_path, self.state)  # durable: these weights include these shards
             self.reader.commit(names, tag=r)
             self._publish()
             self._cleanup()
+            self.memory.prune(r, max(cfg.train.replay_rounds, cfg.gate.heldout_rounds))
         self._barrier()
         return summary
 
@@ -456,7 +468,8 @@ class OnlineTrainer:
         shutil.rmtree(p["export"], ignore_errors=True)  # the registry holds it now
         verdict = f"promoted v{version}" if s["promote"] else f"rejected v{version} ({s['reason']})"
         loss = f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}" if s["loss_first"] is not None else "no steps"
-        self.log(f"[train] round {p['round']}: {s['rows']} rows ({s['train']} train / {s['heldout']} held-out, "
+        past = f", +{s['train'] - s['train_new']} / +{s['heldout'] - s['heldout_new']} kept from earlier rounds" if "train_new" in s else ""
+        self.log(f"[train] round {p['round']}: {s['rows']} rows ({s['train']} train / {s['heldout']} held-out{past}, "
                  f"{s['verify_rounds']} verify rounds), {loss}, held-out tau {s['tau_before']:.3f} -> {s['tau_after']:.3f}, "
                  f"{verdict}, {s['seconds']}s")
 
