@@ -39,6 +39,7 @@ def register(subparsers) -> None:
         q.add_argument("--tracking-uri", default=None,
                        help="MLflow server URL (overrides tracking_uri; default: a private server under OUT/mlflow)")
         q.set_defaults(func=func)
+    d.add_argument("--arms", default=None, help="comma list of arms to run, overriding the config's (e.g. opd)")
 
 
 def run_domain_shift(args: argparse.Namespace) -> int:
@@ -47,6 +48,9 @@ def run_domain_shift(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, ExperimentConfig)
     cfg.tracking_uri = args.tracking_uri or cfg.tracking_uri
+    if args.arms:
+        cfg.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+        cfg.__post_init__()  # the same check as in the YAML
     Experiment(cfg, args.out).run()
     print(f"report: {args.out}/report.md")
     return 0

@@ -24,7 +24,7 @@ from adaflash.length_head import LengthHead, LengthHeadConfig
 from adaflash.target import load_target
 from adaflash.trainer.config import OnlineConfig
 from adaflash.trainer.data import Sequence, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
-from adaflash.trainer.online import OnlineModel, OnlineTrainer, ds_config, gate, update_loss
+from adaflash.trainer.online import OnlineModel, OnlineTrainer, ds_config, gate, refit_head, update_loss
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS_PER_SHARD = 4
@@ -139,7 +139,8 @@ def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
                         ("deepspeed:\n  zero_stage: 3\n", "zero_stage must be 0, 1 or 2"),
                         ("buffer:\n  min_new_round: 5\n", "unknown key.*min_new_round"),
                         ("train:\n  replay_rounds: -1\n", "replay_rounds must be >= 0"),
-                        ("gate:\n  heldout_rounds: -2\n", "heldout_rounds must be >= 0")]:
+                        ("gate:\n  heldout_rounds: -2\n", "heldout_rounds must be >= 0"),
+                        ("train:\n  head_refit_epochs: 5\ndeepspeed:\n  zero_stage: 2\n", "head_refit_epochs needs deepspeed.zero_stage 0")]:
         bad.write_text(text)
         with pytest.raises(ConfigError, match=match):
             load_config(bad, OnlineConfig)
@@ -250,6 +251,14 @@ def test_heldout_tau_rises_when_training_on_the_same_distribution(served, superv
     assert set(after["domains"]) == {"math", "code", "chat"}  # one held-out trajectory per shard, one domain each
     assert after["tau"] > before["tau"] + 0.3, (before["tau"], after["tau"])
     assert 0 <= after["head_mae"] <= 1
+    # the head chased a moving drafter; refit on the final one (drafter frozen), it predicts held-out blocks better
+    drafter_w = {k: v.clone() for k, v in engine.module.drafter.state_dict().items()}
+    cfg.train.head_refit_epochs = 30
+    fit = refit_head(engine.module, train, 4, cfg.train, seed=0)
+    refit = evaluate()
+    assert fit["n_train"] + fit["n_val"] > 20 and fit["mae"] < 0.1
+    assert refit["head_mae"] < after["head_mae"], (after["head_mae"], refit["head_mae"])
+    assert refit["tau"] == after["tau"] and all(torch.equal(v, engine.module.drafter.state_dict()[k]) for k, v in drafter_w.items())
 
 
 # ------------------------------------------------------------------------------------------ with MLflow
@@ -303,6 +312,7 @@ def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_se
     r1, r2 = history(tmp_path / "ckpt")
     assert (r1["train"], r1["heldout"], r2["train_new"], r2["heldout_new"]) == (3, 1, 3, 1)
     assert (r2["train"], r2["heldout"]) == (6, 2)
+    assert r1["head_refit"]["n_train"] > 0 and "head_refit_mae" in run.data.metrics  # the head refit on the final drafter
 
     # a new trainer (fresh checkpoint dir) starts from the registry's champion
     cfg.checkpoint.dir = str(tmp_path / "ckpt-new")

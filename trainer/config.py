@@ -78,12 +78,15 @@ class TrainSection:
     autocast_bf16: bool = False  # bf16 autocast of the drafter forward on CPU
     eval_seqs: int = 8  # trajectories per forward when computing supervision and held-out tau
     replay_rounds: int = 0  # also train on the training trajectories of this many previous rounds
+    head_refit_epochs: int = 0  # after the steps, refit the length head on the final drafter (drafter frozen); 0 = off
     seed: int = 0
 
     def __post_init__(self):
         for name in ("steps_per_update", "seqs_per_step", "anchors_per_seq", "eval_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_refit_epochs < 0:
+            raise ValueError(f"head_refit_epochs must be >= 0 (0 = off), got {self.head_refit_epochs}")
         if self.replay_rounds < 0:
             raise ValueError(f"replay_rounds must be >= 0 (0 = the new round only), got {self.replay_rounds}")
         if self.lr <= 0 or self.head_lr <= 0:
@@ -150,3 +153,6 @@ class OnlineConfig:
     def __post_init__(self):
         if self.max_rounds < 0:
             raise ValueError(f"max_rounds must be >= 0 (0 = forever), got {self.max_rounds}")
+        if self.train.head_refit_epochs and self.deepspeed.zero_stage:
+            raise ValueError("train.head_refit_epochs needs deepspeed.zero_stage 0: ZeRO keeps its own master copy of "
+                             "the head, which a refit outside the optimizer does not update; set one of them to 0")

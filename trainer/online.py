@@ -47,12 +47,13 @@ from torch import Tensor, nn
 from adaflash.buffer import TRAJECTORY_SCHEMA, ShardReader, from_arrow
 from adaflash.config import to_dict
 from adaflash.drafter import Drafter, load_drafter
-from adaflash.length_head import LengthHead, LengthHeadConfig, load_length_head, save_length_head
+from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, load_length_head, save_length_head
 from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
 from adaflash.registry import load_version
 from adaflash.target import load_target
 from adaflash.trainer.config import OnlineConfig
-from adaflash.trainer.data import capture_output, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
+from adaflash.trainer.data import (capture_output, eval_items, heldout_tau, is_heldout, make_batch, supervise, to_sequences,
+                                   train_items)
 from adaflash.trainer.memory import RoundMemory
 
 
@@ -63,14 +64,19 @@ class OnlineModel(nn.Module):
         super().__init__()
         self.drafter, self.head = drafter, head
 
-    def forward(self, batch: dict) -> tuple[Tensor, Tensor]:
-        """-> (draft logits [B, NB, K-1, V], head prediction [B, NB]). The head reads the final-norm
-        states of all K block positions (as when serving), detached: its loss never reaches the drafter."""
+    def blocks(self, batch: dict) -> tuple[Tensor, Tensor]:
+        """-> (draft states [B, NB, K-1, H], final-norm states of all K block positions [B*NB, K, H],
+        incl. the anchor: what the length head reads when serving)."""
         b, nb = batch["anchors"].shape
         with capture_output(self.drafter.norm) as seen:
-            h = self.drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])  # [B, NB, K-1, H]
-        block = seen[-1].view(b * nb, self.drafter.block_size, -1)  # [B*NB, K, H] incl. the anchor position
-        return self.drafter.lm_head(h), self.head(block.float()).view(b, nb)
+            h = self.drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])
+        return h, seen[-1].view(b * nb, self.drafter.block_size, -1)
+
+    def forward(self, batch: dict) -> tuple[Tensor, Tensor]:
+        """-> (draft logits [B, NB, K-1, V], head prediction [B, NB]). The head's input is detached:
+        its loss never reaches the drafter."""
+        h, block = self.blocks(batch)
+        return self.drafter.lm_head(h), self.head(block.float()).view(batch["anchors"].shape)
 
 
 def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor, batch: dict, cfg: OnlineConfig) -> tuple[Tensor, dict]:
@@ -90,6 +96,33 @@ def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor, batch: dict, c
     metrics.update(head_loss=float(head.detach()), train_acc_len=float(acc[full].float().mean()) if full.any() else 0.0,
                    positions=int(valid.sum()))
     return out["loss"] + lc.head_weight * head, metrics
+
+
+@torch.no_grad()
+def refit_head(model: OnlineModel, seqs, k_blk: int, t, seed: int) -> dict | None:
+    """Refit the length head on the drafter it ships with (`train.head_refit_epochs` of
+    `length_head.fit_length_head`): during the steps the head chased a drafter that kept changing;
+    here it fits the final drafter's block states at every full recorded block of `seqs`, labelled
+    with that drafter's own acceptance (drafter frozen). -> the fit's held-out metrics, or None.
+    Deterministic in `seed`: every rank computes the same blocks and fit, so the heads stay identical."""
+    if not t.head_refit_epochs or not seqs:
+        return None
+    states, accepted = [], []
+    model.eval()
+    items = eval_items(seqs, k_blk, t.anchors_per_seq)
+    for i in range(0, len(items), t.eval_seqs):
+        batch = make_batch(items[i : i + t.eval_seqs], k_blk)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
+            h, block = model.blocks(batch)  # [B, NB, K-1, H], [B*NB, K, H]
+            draft = model.drafter.lm_head(h).argmax(-1)  # [B, NB, K-1]
+        full = batch["full"].flatten()  # [B*NB]
+        states.append(block.float()[full])
+        accepted.append(accepted_length(draft, batch["tgt_next"]).flatten()[full])
+    if sum(len(a) for a in accepted) < 2:
+        return None
+    with torch.enable_grad():
+        return fit_length_head(model.head, torch.cat(states), torch.cat(accepted), k_blk, lr=t.head_lr,
+                               epochs=t.head_refit_epochs, seed=seed)
 
 
 def ds_config(cfg: OnlineConfig) -> dict:
@@ -324,6 +357,7 @@ class OnlineTrainer:
         supervise(self.target.model, train + held, cfg.train.eval_seqs)
         before = self._eval(held)
         steps = [self._step(train, r, i, run_id) for i in range(cfg.train.steps_per_update)] if train else []
+        refit = refit_head(self.engine.module, train, self.k_blk, cfg.train, seed=cfg.train.seed + r)
         after = self._eval(held)
         promote, reason = gate(before, after, cfg.gate.tolerance, cfg.gate.min_heldout_blocks)
         if not train:
@@ -331,11 +365,11 @@ class OnlineTrainer:
         keep = promote or cfg.gate.on_reject == "continue"
         summary = {**info, "seconds": round(time.perf_counter() - t0, 1), "tau_before": before["tau"], "tau_after": after["tau"],
                    "loss_first": steps[0]["loss"] if steps else None, "loss_last": steps[-1]["loss"] if steps else None,
-                   "head_mae_before": before["head_mae"], "head_mae_after": after["head_mae"],
+                   "head_mae_before": before["head_mae"], "head_mae_after": after["head_mae"], "head_refit": refit,
                    "promote": promote, "reason": reason, "kept": keep}
         export = self.ckpt / "exports" / f"round{r}"
         if self.rank == 0:
-            self._log_eval(run_id, before, after, steps, train)
+            self._log_eval(run_id, before, after, steps, train, refit)
             self._export(export, r, summary)
         tag = f"round{r}"
         if keep:
@@ -420,7 +454,7 @@ class OnlineTrainer:
         self.client.log_dict(rid, window, "data_window.json")
         return rid
 
-    def _log_eval(self, run_id: str, before: dict, after: dict, steps: list[dict], train) -> None:
+    def _log_eval(self, run_id: str, before: dict, after: dict, steps: list[dict], train, refit: dict | None) -> None:
         from mlflow.entities import Metric
 
         now, vals = int(time.time() * 1000), {}
@@ -432,6 +466,7 @@ class OnlineTrainer:
         vals["heldout_blocks"] = after["blocks"]
         vals["tokens_trained"] = sum(s["positions"] for s in steps)  # supervised draft positions
         vals["sequence_tokens"] = sum(len(s.tokens) for s in train)
+        vals.update({f"head_refit_{k}": v for k, v in (refit or {}).items()})
         self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in vals.items() if v == v])
 
     def _export(self, out: Path, r: int, summary: dict) -> None:
