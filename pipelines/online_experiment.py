@@ -4,7 +4,9 @@ A drafter pretrained WITHOUT code serves code traffic (HumanEval + stdlib "write
 prompts, train split) through the real pieces, one arm at a time, every arm from the same drafter:
 
   for each online round r = 1..R:
-    1. serve the round's traffic through `adaflash.engine.Engine` (greedy) with the arm's drafter
+    1. serve the round's traffic through `adaflash.engine.Engine` (greedy) with the arm's drafter; with
+       policy `fixed` whole blocks are verified and the head's prediction is recorded: its error on
+       live traffic it has not trained on yet (traffic head MAE)
     2. write the finished requests as trajectories (`ShardWriter`, one shard per round, the arm's buffer)
     3. the arm's `OnlineTrainer` (loss.kind = opd | osd) runs one update round on that shard and
        publishes to the MLflow registry; it moves `champion` only if its gate passes. Arm `none` does
@@ -340,6 +342,7 @@ class Experiment:
             row = {"arm": arm, "round": r, "served_tau": served and served["tau"],
                    "served_tokens_per_s": served and served["tokens_per_s"], "traffic_policy": served and served["policy"],
                    "heldout_tau": ev["tau"], "head_mae": ev["head_mae"], "head_blocks": ev["head_blocks"],
+                   "traffic_head_mae": served and served["head_mae"],
                    "minutes": round(minutes, 3), "rows_trained": summary["train"] if summary else 0,
                    "drafter_version": slot.version, "fingerprint": slot.fingerprint,
                    "promoted": summary and summary["promote"], "trainer_tau_before": summary and summary["tau_before"],
@@ -367,7 +370,8 @@ class Experiment:
         for stale in buf.glob(f"{writer_id}-*.parquet"):  # a cut-short earlier attempt, never consumed
             stale.unlink()
         cs = self.cfg.serve
-        policy = HeadPolicy(slot.head) if cs.policy == "head" and slot.head is not None else FixedPolicy()
+        # fixed: whole blocks, with the head's prediction recorded (its error on live traffic it has not trained on)
+        policy = HeadPolicy(slot.head) if cs.policy == "head" and slot.head is not None else ProbePolicy()
         engine, st = serve(self.target, slot, policy, self.traffic[r - 1], self.cfg.traffic.max_new_tokens, cs,
                            f"r{r}", f"{arm} traffic r{r}")
         writer = ShardWriter(buf, writer_id, rows_per_shard=10**9, max_age_s=None)
@@ -419,13 +423,14 @@ def write_report(rows: list[dict], cfg: ExperimentConfig, meta: dict, out: Path,
              f"Start drafter `{cfg.drafter}`, traffic {cfg.traffic.domains} (train split, {cfg.traffic.prompts_per_round} "
              f"prompts x {cfg.traffic.max_new_tokens} tokens per round, policy {cfg.serve.policy}), held-out "
              f"{cfg.heldout.prompts} {cfg.heldout.domain} eval prompts x {cfg.heldout.max_new_tokens} tokens, whole blocks verified.",
-             "tau = tokens committed per target forward (engine, greedy). Head MAE = |predicted - (accepted+1)/K| on held-out blocks.",
-             "", "| arm | round | held-out tau | traffic tau | head MAE | rows trained | promoted | version | minutes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "tau = tokens committed per target forward (engine, greedy). Head MAE = |predicted - (accepted+1)/K| on held-out "
+             "blocks; traffic head MAE: the same for the head that served round r's traffic (round r-1's), before it trained on it.",
+             "", "| arm | round | held-out tau | traffic tau | head MAE | traffic head MAE | rows trained | promoted | version | minutes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         promoted = "-" if r["promoted"] is None else ("yes" if r["promoted"] else "no")
         lines.append(f"| {r['arm']} | {r['round']} | {_fmt(r['heldout_tau'])} | {_fmt(r['served_tau'])} | "
-                     f"{_fmt(r['head_mae'])} | {r['rows_trained']} | {promoted} | {r['drafter_version']} | {r['minutes']:.1f} |")
+                     f"{_fmt(r['head_mae'])} | {_fmt(r.get('traffic_head_mae'))} | {r['rows_trained']} | {promoted} | {r['drafter_version']} | {r['minutes']:.1f} |")
     verdict = (f"Gate: OPD held-out tau {_fmt(gate['final_tau'].get('opd'))} vs {cfg.min_gain} x start {_fmt(start)} "
                f"= {_fmt(start and cfg.min_gain * start)}: {'met' if gate['gain_met'] else 'NOT met'}; OPD >= OSD: "
                + ({True: "met", False: "NOT met", None: "n/a (no osd arm)"}[gate["opd_ge_osd"]]))
@@ -445,16 +450,18 @@ def plot_rounds(rows: list[dict], arms: list[str], min_gain: float, start: float
     for name, key, ylabel, title in (("tau_per_round", "heldout_tau", "tau (tokens per target forward)",
                                       "Held-out tau per online round (solid) and traffic tau (dashed)"),
                                      ("head_error_per_round", "head_mae", "length-head MAE",
-                                      "Length-head error on held-out blocks")):
+                                      "Length-head error: held-out (solid), next round's traffic (dashed)")):
         fig, ax = plt.subplots(figsize=(6.4, 4))
         for i, arm in enumerate(arms):
             pts = [(r["round"], r[key]) for r in rows if r["arm"] == arm and r[key] is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=arm)
-            if key == "heldout_tau":
-                served = [(r["round"], r["served_tau"]) for r in rows if r["arm"] == arm and r["served_tau"] is not None]
-                if served:
-                    ax.plot(*zip(*served), ls="--", color=f"C{i}", alpha=0.6)
+            dashed = {"heldout_tau": "served_tau", "head_mae": "traffic_head_mae"}[key]
+            # traffic of round r is served by round r-1's drafter and head: plot it against r-1
+            shift = 1 if key == "head_mae" else 0
+            served = [(r["round"] - shift, r[dashed]) for r in rows if r["arm"] == arm and r.get(dashed) is not None]
+            if served:
+                ax.plot(*zip(*served), ls="--", color=f"C{i}", alpha=0.6)
         if key == "heldout_tau" and start:
             ax.axhline(min_gain * start, color="gray", ls=":", label=f"{min_gain} x start")
         if not ax.lines:

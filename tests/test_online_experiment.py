@@ -82,6 +82,7 @@ def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, ti
     assert rows["opd", 2]["fingerprint"] != rows["osd", 2]["fingerprint"]
     assert all(rows["none", r]["fingerprint"] == start and rows["none", r]["rows_trained"] == 0 for r in range(3))
     assert rows["none", 1]["traffic_policy"] == "fixed" and rows["none", 1]["head_mae"] is None  # no head ever
+    assert rows["none", 2]["traffic_head_mae"] is None and "traffic_head_mae" in rows["opd", 2]
     assert not (out / "arms" / "none" / "buffer").exists() or not list((out / "arms" / "none").rglob("_ledger.jsonl"))
     for f in ("report.md", "tau_per_round.png", "head_error_per_round.png"):
         assert (out / f).stat().st_size > 0
