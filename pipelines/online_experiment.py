@@ -21,7 +21,7 @@ Round 0 is the starting drafter's held-out tau. Held-out measurements are cached
 Resumable: each finished (arm, round) is a line of OUT/rows.jsonl and is never redone; a round cut
 short is redone from its start (its stale shard is removed first; the trainer resumes from its own
 checkpoint and finishes a round it had made durable). Outputs: results.json, report.md, tau_per_round.png,
-head_error_per_round.png.
+head_error_per_round.png, head_r2_per_round.png.
 """
 
 from __future__ import annotations
@@ -182,11 +182,24 @@ def serve(target, slot: Slot, policy, prompts: list[Prompt], max_new: int, sc: S
     states = engine.finished
     tokens, rounds = sum(len(s.out) for s in states), sum(len(s.rounds) for s in states)
     k = engine.k_blk
-    errs = [abs(r.pred - min(1.0, (r.accepted + 1) / k)) for s in states for r in s.rounds
-            if r.pred == r.pred and r.verify_len == k]  # full blocks the head predicted
+    pairs = [(r.pred, min(1.0, (r.accepted + 1) / k)) for s in states for r in s.rounds
+             if r.pred == r.pred and r.verify_len == k]  # full blocks the head predicted: (prediction, label)
     return engine, {"tau": (tokens - len(states)) / max(1, rounds), "tokens": tokens, "rounds": rounds,
-                    "tokens_per_s": tokens / wall, "wall_s": wall, "policy": policy.name,
-                    "head_mae": sum(errs) / len(errs) if errs else None, "head_blocks": len(errs)}
+                    "tokens_per_s": tokens / wall, "wall_s": wall, "policy": policy.name, **head_error(pairs)}
+
+
+def head_error(pairs: list[tuple[float, float]]) -> dict:
+    """The head's error on (prediction, label) pairs: MAE, and R^2 = 1 - MSE / variance of the labels (the
+    share of the blocks' acceptance variance it explains; 0 = no better than always predicting the mean).
+    MAE alone grows with the drafter's acceptance (labels spread out); R^2 does not."""
+    if not pairs:
+        return {"head_mae": None, "head_r2": None, "head_blocks": 0}
+    n = len(pairs)
+    mean = sum(y for _, y in pairs) / n
+    var = sum((y - mean) ** 2 for _, y in pairs) / n
+    mse = sum((p - y) ** 2 for p, y in pairs) / n
+    return {"head_mae": sum(abs(p - y) for p, y in pairs) / n, "head_r2": 1 - mse / var if var > 0 else None,
+            "head_blocks": n}
 
 
 def interleave(lists: list[list]) -> list:
@@ -342,7 +355,8 @@ class Experiment:
             row = {"arm": arm, "round": r, "served_tau": served and served["tau"],
                    "served_tokens_per_s": served and served["tokens_per_s"], "traffic_policy": served and served["policy"],
                    "heldout_tau": ev["tau"], "head_mae": ev["head_mae"], "head_blocks": ev["head_blocks"],
-                   "traffic_head_mae": served and served["head_mae"],
+                   "traffic_head_mae": served and served["head_mae"], "head_r2": ev.get("head_r2"),
+                   "traffic_head_r2": served and served.get("head_r2"),
                    "minutes": round(minutes, 3), "rows_trained": summary["train"] if summary else 0,
                    "drafter_version": slot.version, "fingerprint": slot.fingerprint,
                    "promoted": summary and summary["promote"], "trainer_tau_before": summary and summary["tau_before"],
@@ -425,12 +439,14 @@ def write_report(rows: list[dict], cfg: ExperimentConfig, meta: dict, out: Path,
              f"{cfg.heldout.prompts} {cfg.heldout.domain} eval prompts x {cfg.heldout.max_new_tokens} tokens, whole blocks verified.",
              "tau = tokens committed per target forward (engine, greedy). Head MAE = |predicted - (accepted+1)/K| on held-out "
              "blocks; traffic head MAE: the same for the head that served round r's traffic (round r-1's), before it trained on it.",
-             "", "| arm | round | held-out tau | traffic tau | head MAE | traffic head MAE | rows trained | promoted | version | minutes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Head R^2 = 1 - MSE / variance of the labels: the share of the blocks' acceptance variance the head explains.",
+             "", "| arm | round | held-out tau | traffic tau | head MAE | head R^2 | traffic head MAE | traffic head R^2 | rows trained "
+             "| promoted | version | minutes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         promoted = "-" if r["promoted"] is None else ("yes" if r["promoted"] else "no")
         lines.append(f"| {r['arm']} | {r['round']} | {_fmt(r['heldout_tau'])} | {_fmt(r['served_tau'])} | "
-                     f"{_fmt(r['head_mae'])} | {_fmt(r.get('traffic_head_mae'))} | {r['rows_trained']} | {promoted} | {r['drafter_version']} | {r['minutes']:.1f} |")
+                     f"{_fmt(r['head_mae'])} | {_fmt(r.get('head_r2'))} | {_fmt(r.get('traffic_head_mae'))} | "
+                     f"{_fmt(r.get('traffic_head_r2'))} | {r['rows_trained']} | {promoted} | {r['drafter_version']} | {r['minutes']:.1f} |")
     verdict = (f"Gate: OPD held-out tau {_fmt(gate['final_tau'].get('opd'))} vs {cfg.min_gain} x start {_fmt(start)} "
                f"= {_fmt(start and cfg.min_gain * start)}: {'met' if gate['gain_met'] else 'NOT met'}; OPD >= OSD: "
                + ({True: "met", False: "NOT met", None: "n/a (no osd arm)"}[gate["opd_ge_osd"]]))
@@ -450,15 +466,17 @@ def plot_rounds(rows: list[dict], arms: list[str], min_gain: float, start: float
     for name, key, ylabel, title in (("tau_per_round", "heldout_tau", "tau (tokens per target forward)",
                                       "Held-out tau per online round (solid) and traffic tau (dashed)"),
                                      ("head_error_per_round", "head_mae", "length-head MAE",
-                                      "Length-head error: held-out (solid), next round's traffic (dashed)")):
+                                      "Length-head error: held-out (solid), next round's traffic (dashed)"),
+                                     ("head_r2_per_round", "head_r2", "length-head R^2 (1 - MSE / label variance)",
+                                      "Length-head R^2: held-out (solid), next round's traffic (dashed)")):
         fig, ax = plt.subplots(figsize=(6.4, 4))
         for i, arm in enumerate(arms):
-            pts = [(r["round"], r[key]) for r in rows if r["arm"] == arm and r[key] is not None]
+            pts = [(r["round"], r.get(key)) for r in rows if r["arm"] == arm and r.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=arm)
-            dashed = {"heldout_tau": "served_tau", "head_mae": "traffic_head_mae"}[key]
+            dashed = {"heldout_tau": "served_tau", "head_mae": "traffic_head_mae", "head_r2": "traffic_head_r2"}[key]
             # traffic of round r is served by round r-1's drafter and head: plot it against r-1
-            shift = 1 if key == "head_mae" else 0
+            shift = 1 if key.startswith("head") else 0
             served = [(r["round"] - shift, r[dashed]) for r in rows if r["arm"] == arm and r.get(dashed) is not None]
             if served:
                 ax.plot(*zip(*served), ls="--", color=f"C{i}", alpha=0.6)

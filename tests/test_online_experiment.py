@@ -47,6 +47,15 @@ def tiny_config(name: str, tmp_path: Path, paths: dict, cls):
     return load_config(path, cls)
 
 
+def test_head_error_r2_is_the_share_of_label_variance_explained():
+    from adaflash.pipelines.online_experiment import head_error
+
+    labels = [0.0625, 0.125, 0.0625, 0.25]
+    perfect, mean = head_error([(y, y) for y in labels]), head_error([(0.125, y) for y in labels])
+    assert perfect["head_r2"] == 1.0 and perfect["head_mae"] == 0.0 and abs(mean["head_r2"]) < 1e-9
+    assert head_error([(0.5, y) for y in labels])["head_r2"] < 0 and head_error([])["head_mae"] is None
+
+
 def test_committed_configs_load_and_bad_trainer_keys_are_refused():
     assert load_config(REPO / "configs" / "experiment_domain_shift.yaml", ExperimentConfig).arms == ["opd", "osd", "none"]
     assert load_config(REPO / "configs" / "experiment_swap.yaml", SwapConfig).max_ratio == 1.5
@@ -84,7 +93,7 @@ def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, ti
     assert rows["none", 1]["traffic_policy"] == "fixed" and rows["none", 1]["head_mae"] is None  # no head ever
     assert rows["none", 2]["traffic_head_mae"] is None and "traffic_head_mae" in rows["opd", 2]
     assert not (out / "arms" / "none" / "buffer").exists() or not list((out / "arms" / "none").rglob("_ledger.jsonl"))
-    for f in ("report.md", "tau_per_round.png", "head_error_per_round.png"):
+    for f in ("report.md", "tau_per_round.png", "head_error_per_round.png", "head_r2_per_round.png"):
         assert (out / f).stat().st_size > 0
     assert res["gate"]["opd_ge_osd"] in (True, False) and any(x.startswith("Gate: OPD held-out tau") for x in lines)
 
