@@ -130,18 +130,21 @@ def test_whole_loop_until_a_round_lands_then_ctrl_c(tiny_hf_dir, tiny_drafter_di
     out = open(tmp_path / "up.out", "w")
     proc = subprocess.Popen([sys.executable, "-m", "adaflash.cli", "up", "--config", str(path), "--duration", "300"],
                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    api = f"{cfg.tracking_uri}/api/2.0/mlflow/model-versions/search"
+    api = f"{cfg.tracking_uri}/api/2.0/mlflow/registered-models/alias"
     try:
+        # version 1 = bootstrap; wait for a trainer round the gate promotes (a round whose request-id hash split
+        # held out no trajectory is registered but rejected, whatever the tolerance)
         deadline = time.monotonic() + 240
-        versions: list = []
-        while len(versions) < 2:  # version 1 = bootstrap, version 2 = the trainer's first round
+        champion = "1"
+        while champion in ("", "1"):
             assert proc.poll() is None, f"adaflash up exited early:\n{(tmp_path / 'up.out').read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"no trainer round registered:\n{(tmp_path / 'up.out').read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no trainer round promoted:\n{(tmp_path / 'up.out').read_text()[-4000:]}"
             time.sleep(1.0)
             try:
-                versions = requests.get(api, params={"filter": f"name='{cfg.model_name}'"}, timeout=2).json().get("model_versions", [])
+                got = requests.get(api, params={"name": cfg.model_name, "alias": "champion"}, timeout=2).json()
+                champion = str(got.get("model_version", {}).get("version", ""))
             except (requests.RequestException, ValueError):
-                versions = []
+                champion = ""
         status_url = f"http://127.0.0.1:{cfg.serve.port}/v1/status"
         swap_deadline = time.monotonic() + 30  # the server polls the registry every 2 s
         while requests.get(status_url, timeout=5).json().get("drafter_version") in ("0", "1"):
