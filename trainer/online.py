@@ -173,6 +173,7 @@ class OnlineTrainer:
         self.ckpt = Path(cfg.checkpoint.dir)
         self.state_path = self.ckpt / "state.json"
         self.memory = RoundMemory(self.ckpt / "memory")
+        self.memory_rounds = max(cfg.train.replay_rounds, cfg.gate.heldout_rounds)  # rounds the memory keeps
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.target = load_target(cfg.target.source, cfg.target.dtype)
@@ -345,9 +346,11 @@ class OnlineTrainer:
         held = [s for s in seqs if is_heldout(s.request_id, frac)]
         train = [s for s in seqs if not is_heldout(s.request_id, frac)]
         new_train, new_held = len(train), len(held)
-        replay = to_sequences(self.memory.load(r, cfg.train.replay_rounds))
-        train += [s for s in replay if not is_heldout(s.request_id, frac)]
-        held += [s for s in to_sequences(self.memory.load(r, cfg.gate.heldout_rounds)) if is_heldout(s.request_id, frac)]
+        for j, past in self.memory.load(r, self.memory_rounds).items():  # read once for both windows
+            for s in to_sequences(past):
+                h = is_heldout(s.request_id, frac)
+                if j >= r - (cfg.gate.heldout_rounds if h else cfg.train.replay_rounds):
+                    (held if h else train).append(s)
         created = [t.created_ns for t in trajs]
         window = {"shards": names, "t_min_ns": min(created), "t_max_ns": max(created),
                   "drafter_versions": sorted({t.drafter_version for t in trajs})}
@@ -389,7 +392,7 @@ class OnlineTrainer:
             self.reader.commit(names, tag=r)
             self._publish()
             self._cleanup()
-            self.memory.prune(r, max(cfg.train.replay_rounds, cfg.gate.heldout_rounds))
+            self.memory.prune(r, self.memory_rounds)
         self._barrier()
         return summary
 
