@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 
 DOMAIN_SHIFT = """\
-A drafter pretrained without code serves code traffic; per arm (opd, osd, none), from the same drafter,
-for each online round: serve the round's prompts through the engine, write them to the arm's trajectory
-buffer, let the arm's online trainer (OPD or OSD; none: no update) run one update round and publish to
-the MLflow registry, then serve the held-out HumanEval prompts with the arm's champion to measure tau
-(tokens per target forward) and the length head's error. Writes results.json, report.md and PNGs into
+A drafter pretrained without code serves code traffic; per arm (opd, osd, head, none), from the same
+drafter, for each online round: serve the round's prompts through the engine, write them to the arm's
+trajectory buffer, let the arm's online trainer (OPD or OSD; head: the drafter frozen, only the length
+head learns; none: no update) run one update round and publish to the MLflow registry, then serve the
+held-out HumanEval prompts with the arm's champion to measure tau (tokens per target forward) and the
+length head's error, beside the starting head's error on the same blocks. Writes results.json, report.md and PNGs into
 --out and prints whether the gate is met (OPD tau >= min_gain x start, OPD >= OSD). Rerun the same
 command to resume after a crash: finished (arm, round) rows are kept.
 
@@ -39,7 +40,7 @@ def register(subparsers) -> None:
         q.add_argument("--tracking-uri", default=None,
                        help="MLflow server URL (overrides tracking_uri; default: a private server under OUT/mlflow)")
         q.set_defaults(func=func)
-    d.add_argument("--arms", default=None, help="comma list of arms to run, overriding the config's (e.g. opd)")
+    d.add_argument("--arms", default=None, help="comma list of arms to run, overriding the config's (e.g. head,opd)")
 
 
 def run_domain_shift(args: argparse.Namespace) -> int:

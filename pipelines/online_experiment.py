@@ -8,13 +8,15 @@ prompts, train split) through the real pieces, one arm at a time, every arm from
        policy `fixed` whole blocks are verified and the head's prediction is recorded: its error on
        live traffic it has not trained on yet (traffic head MAE)
     2. write the finished requests as trajectories (`ShardWriter`, one shard per round, the arm's buffer)
-    3. the arm's `OnlineTrainer` (loss.kind = opd | osd) runs one update round on that shard and
-       publishes to the MLflow registry; it moves `champion` only if its gate passes. Arm `none` does
-       not train.
+    3. the arm's `OnlineTrainer` (loss.kind = opd | osd | head) runs one update round on that shard and
+       publishes to the MLflow registry; it moves `champion` only if its gate passes. Arm `head` keeps
+       the drafter frozen and trains only the length head (its error, without the drafter moving the
+       labels). Arm `none` does not train.
     4. the arm's drafter becomes the registry's champion (downloaded, loaded, checked as a server would)
     5. held-out tau: the HumanEval eval split actually served with that drafter, verifying whole
        blocks (tau = tokens per target forward); when the drafter has a length head, its prediction is
-       recorded for each block and compared with the acceptance rate (accepted + 1) / K: head MAE.
+       recorded for each block and compared with the acceptance rate (accepted + 1) / K: head MAE;
+       likewise the starting drafter's head on the same blocks (start head MAE: what not updating costs).
 
 Round 0 is the starting drafter's held-out tau. Held-out measurements are cached by weight fingerprint
 (greedy serving is deterministic), so an unchanged drafter (arm `none`, a rejected round) is measured once.
@@ -42,7 +44,7 @@ from tqdm import tqdm
 from adaflash.config import ConfigError, from_dict, to_dict
 from adaflash.engine import Engine, FixedPolicy, HeadPolicy, Request
 
-ARMS = ("opd", "osd", "none")
+ARMS = ("opd", "osd", "head", "none")  # head: the drafter stays frozen, only its length head learns
 
 
 @dataclass
@@ -153,15 +155,23 @@ def load_slot(path: Path, target, dtype: str, version: str) -> Slot:
 
 class ProbePolicy(FixedPolicy):
     """Verify the whole block (so the drafter's acceptance is observed uncensored) and record what the
-    length head, if the drafter has one, predicted for it: the head's error against true labels."""
+    length head, if the drafter has one, predicted for it: the head's error against true labels. With
+    `ref_head`, also what that head (the starting one) predicts for the same blocks: `ref` holds
+    (request state, index of its round, prediction)."""
 
     name = "fixed+probe"
 
+    def __init__(self, ref_head=None):
+        super().__init__()
+        self.ref_head, self.ref = ref_head, []
+
     def lengths(self, states, hidden, k_blk):
         head = states[0].slot.head
-        if head is None:
-            return [k_blk] * len(states), [float("nan")] * len(states)
         with torch.no_grad():
+            if self.ref_head is not None:
+                self.ref += [(s, len(s.rounds), p) for s, p in zip(states, self.ref_head(hidden.float()).tolist())]
+            if head is None:
+                return [k_blk] * len(states), [float("nan")] * len(states)
             pred = head(hidden.float())  # [R]
         return [k_blk] * len(states), pred.tolist()
 
@@ -184,8 +194,12 @@ def serve(target, slot: Slot, policy, prompts: list[Prompt], max_new: int, sc: S
     k = engine.k_blk
     pairs = [(r.pred, min(1.0, (r.accepted + 1) / k)) for s in states for r in s.rounds
              if r.pred == r.pred and r.verify_len == k]  # full blocks the head predicted: (prediction, label)
-    return engine, {"tau": (tokens - len(states)) / max(1, rounds), "tokens": tokens, "rounds": rounds,
-                    "tokens_per_s": tokens / wall, "wall_s": wall, "policy": policy.name, **head_error(pairs)}
+    st = {"tau": (tokens - len(states)) / max(1, rounds), "tokens": tokens, "rounds": rounds,
+          "tokens_per_s": tokens / wall, "wall_s": wall, "policy": policy.name, **head_error(pairs)}
+    if getattr(policy, "ref_head", None) is not None:  # the starting head on the same blocks
+        ref = [(p, min(1.0, (s.rounds[i].accepted + 1) / k)) for s, i, p in policy.ref if s.rounds[i].verify_len == k]
+        st.update({f"start_{key}": v for key, v in head_error(ref).items()})
+    return engine, st
 
 
 def head_error(pairs: list[tuple[float, float]]) -> dict:
@@ -315,7 +329,7 @@ class Experiment:
     def heldout(self, slot: Slot) -> dict:
         """Held-out tau and head MAE of `slot` (cached by weight fingerprint)."""
         if slot.fingerprint not in self.evals:
-            _, st = serve(self.target, slot, ProbePolicy(), self.held, self.cfg.heldout.max_new_tokens, self.cfg.serve,
+            _, st = serve(self.target, slot, ProbePolicy(self.start.head), self.held, self.cfg.heldout.max_new_tokens, self.cfg.serve,
                           "heldout", f"held-out v{slot.version}")
             self.evals[slot.fingerprint] = st
             self.evals_path.write_text(json.dumps(self.evals, indent=1))
@@ -357,6 +371,7 @@ class Experiment:
                    "heldout_tau": ev["tau"], "head_mae": ev["head_mae"], "head_blocks": ev["head_blocks"],
                    "traffic_head_mae": served and served["head_mae"], "head_r2": ev.get("head_r2"),
                    "traffic_head_r2": served and served.get("head_r2"),
+                   "start_head_mae": ev.get("start_head_mae"), "start_head_r2": ev.get("start_head_r2"),
                    "minutes": round(minutes, 3), "rows_trained": summary["train"] if summary else 0,
                    "drafter_version": slot.version, "fingerprint": slot.fingerprint,
                    "promoted": summary and summary["promote"], "trainer_tau_before": summary and summary["tau_before"],
@@ -439,21 +454,40 @@ def write_report(rows: list[dict], cfg: ExperimentConfig, meta: dict, out: Path,
              f"{cfg.heldout.prompts} {cfg.heldout.domain} eval prompts x {cfg.heldout.max_new_tokens} tokens, whole blocks verified.",
              "tau = tokens committed per target forward (engine, greedy). Head MAE = |predicted - (accepted+1)/K| on held-out "
              "blocks; traffic head MAE: the same for the head that served round r's traffic (round r-1's), before it trained on it.",
-             "Head R^2 = 1 - MSE / variance of the labels: the share of the blocks' acceptance variance the head explains.",
-             "", "| arm | round | held-out tau | traffic tau | head MAE | head R^2 | traffic head MAE | traffic head R^2 | rows trained "
-             "| promoted | version | minutes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Head R^2 = 1 - MSE / variance of the labels: the share of the blocks' acceptance variance the head explains. "
+             "Start head: the starting drafter's head, never updated, on the same held-out blocks of the round's drafter.",
+             "", "| arm | round | held-out tau | traffic tau | head MAE | head R^2 | start head MAE | start head R^2 "
+             "| traffic head MAE | traffic head R^2 | rows trained | promoted | version | minutes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         promoted = "-" if r["promoted"] is None else ("yes" if r["promoted"] else "no")
         lines.append(f"| {r['arm']} | {r['round']} | {_fmt(r['heldout_tau'])} | {_fmt(r['served_tau'])} | "
-                     f"{_fmt(r['head_mae'])} | {_fmt(r.get('head_r2'))} | {_fmt(r.get('traffic_head_mae'))} | "
+                     f"{_fmt(r['head_mae'])} | {_fmt(r.get('head_r2'))} | {_fmt(r.get('start_head_mae'))} | "
+                     f"{_fmt(r.get('start_head_r2'))} | {_fmt(r.get('traffic_head_mae'))} | "
                      f"{_fmt(r.get('traffic_head_r2'))} | {r['rows_trained']} | {promoted} | {r['drafter_version']} | {r['minutes']:.1f} |")
     verdict = (f"Gate: OPD held-out tau {_fmt(gate['final_tau'].get('opd'))} vs {cfg.min_gain} x start {_fmt(start)} "
                f"= {_fmt(start and cfg.min_gain * start)}: {'met' if gate['gain_met'] else 'NOT met'}; OPD >= OSD: "
                + ({True: "met", False: "NOT met", None: "n/a (no osd arm)"}[gate["opd_ge_osd"]]))
-    lines += ["", verdict, ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    head_lines = [head_verdict(a, [r for r in rows if r["arm"] == a]) for a in arms if a != "none"]
+    lines += ["", verdict, ""] + [x for x in head_lines if x] + [""] + [f"![{p.stem}]({p.name})" for p in plots]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     log(verdict)
+    for x in head_lines:
+        if x:
+            log(x)
     return result
+
+
+def head_verdict(arm: str, rows: list[dict]) -> str | None:
+    """One line on the arm's length head: held-out MAE at the start and the last round, and the starting
+    head's MAE on that last round's blocks (what not updating the head would have cost)."""
+    pts = [r for r in rows if r.get("head_mae") is not None]
+    if len(pts) < 2:
+        return None
+    first, last = pts[0], pts[-1]
+    ref = "" if last.get("start_head_mae") is None else f" (the start head on the same blocks: {_fmt(last['start_head_mae'])})"
+    return (f"Head ({arm}): held-out MAE {_fmt(first['head_mae'])} at round {first['round']} -> {_fmt(last['head_mae'])} "
+            f"at round {last['round']}{ref}; R^2 {_fmt(first.get('head_r2'))} -> {_fmt(last.get('head_r2'))}")
 
 
 def plot_rounds(rows: list[dict], arms: list[str], min_gain: float, start: float | None, out: Path) -> list[Path]:
@@ -466,9 +500,9 @@ def plot_rounds(rows: list[dict], arms: list[str], min_gain: float, start: float
     for name, key, ylabel, title in (("tau_per_round", "heldout_tau", "tau (tokens per target forward)",
                                       "Held-out tau per online round (solid) and traffic tau (dashed)"),
                                      ("head_error_per_round", "head_mae", "length-head MAE",
-                                      "Length-head error: held-out (solid), next round's traffic (dashed)"),
+                                      "Length-head MAE: held-out (solid), next round's traffic (dashed),\nstart head never updated, same held-out blocks (dotted)"),
                                      ("head_r2_per_round", "head_r2", "length-head R^2 (1 - MSE / label variance)",
-                                      "Length-head R^2: held-out (solid), next round's traffic (dashed)")):
+                                      "Length-head R^2: held-out (solid), next round's traffic (dashed),\nstart head never updated, same held-out blocks (dotted)")):
         fig, ax = plt.subplots(figsize=(6.4, 4))
         for i, arm in enumerate(arms):
             pts = [(r["round"], r.get(key)) for r in rows if r["arm"] == arm and r.get(key) is not None]
@@ -480,6 +514,10 @@ def plot_rounds(rows: list[dict], arms: list[str], min_gain: float, start: float
             served = [(r["round"] - shift, r[dashed]) for r in rows if r["arm"] == arm and r.get(dashed) is not None]
             if served:
                 ax.plot(*zip(*served), ls="--", color=f"C{i}", alpha=0.6)
+            ref = [(r["round"], r.get(f"start_{key}")) for r in rows
+                   if r["arm"] == arm and r["round"] > 0 and key.startswith("head") and r.get(f"start_{key}") is not None]
+            if ref:  # the starting head, never updated, on the same held-out blocks
+                ax.plot(*zip(*ref), ls=":", marker="x", color=f"C{i}", alpha=0.6)
         if key == "heldout_tau" and start:
             ax.axhline(min_gain * start, color="gray", ls=":", label=f"{min_gain} x start")
         if not ax.lines:

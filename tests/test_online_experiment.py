@@ -56,8 +56,32 @@ def test_head_error_r2_is_the_share_of_label_variance_explained():
     assert head_error([(0.5, y) for y in labels])["head_r2"] < 0 and head_error([])["head_mae"] is None
 
 
+def test_probe_scores_the_starting_head_on_the_same_blocks(tiny_hf_dir, tiny_drafter_dir):
+    import torch
+
+    from adaflash.drafter import load_drafter
+    from adaflash.length_head import LengthHead, LengthHeadConfig
+    from adaflash.pipelines.online_experiment import ProbePolicy, Prompt, ServeSection, Slot, serve
+    from adaflash.target import load_target
+
+    target = load_target(str(tiny_hf_dir), "float32")
+    drafter = load_drafter(tiny_drafter_dir, target.model, target.identity, torch.float32)
+    heads = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        heads.append(LengthHead(LengthHeadConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.block_size)).eval())
+    slot = Slot(tiny_drafter_dir, drafter, heads[0], "1", "fp")
+    prompts = [Prompt(f"p{i}", "code", target.encode_chat(f"Write function number {i}.")) for i in range(3)]
+    sc = ServeSection(drafter_dtype="float32", max_batch=3, token_budget=512)
+    _, same = serve(target, slot, ProbePolicy(heads[0]), prompts, 20, sc, "a", "same")
+    _, other = serve(target, slot, ProbePolicy(heads[1]), prompts, 20, sc, "b", "other")
+    assert same["head_blocks"] == same["start_head_blocks"] > 0 and same["start_head_mae"] == same["head_mae"]
+    assert other["head_mae"] == same["head_mae"] and other["start_head_mae"] != other["head_mae"]
+    assert "start_head_mae" not in serve(target, slot, ProbePolicy(), prompts, 20, sc, "c", "none")[1]
+
+
 def test_committed_configs_load_and_bad_trainer_keys_are_refused():
-    assert load_config(REPO / "configs" / "experiment_domain_shift.yaml", ExperimentConfig).arms == ["opd", "osd", "none"]
+    assert load_config(REPO / "configs" / "experiment_domain_shift.yaml", ExperimentConfig).arms == ["opd", "osd", "head", "none"]
     assert load_config(REPO / "configs" / "experiment_swap.yaml", SwapConfig).max_ratio == 1.5
     with pytest.raises(ConfigError, match=r"buffer.dir.*set by the experiment"):
         from_dict(ExperimentConfig, {"trainer": {"buffer": {"dir": "x"}}})
@@ -74,13 +98,13 @@ def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, ti
     res = Experiment(cfg, out, log=lines.append).run()
 
     rows = {(r["arm"], r["round"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
-    assert set(rows) == {(a, r) for a in ("opd", "osd", "none") for r in range(3)}
+    assert set(rows) == {(a, r) for a in ("opd", "osd", "head", "none") for r in range(3)}
     start = fingerprint(tiny_drafter_dir)
-    for arm in ("opd", "osd", "none"):
+    for arm in ("opd", "osd", "head", "none"):
         assert rows[arm, 0]["heldout_tau"] == rows["none", 0]["heldout_tau"] >= 1.0  # one shared starting point
         assert rows[arm, 0]["fingerprint"] == start and rows[arm, 0]["rows_trained"] == 0
         assert rows[arm, 1]["served_tau"] >= 1.0 and rows[arm, 2]["minutes"] > rows[arm, 1]["minutes"] > 0
-    for arm in ("opd", "osd"):
+    for arm in ("opd", "osd", "head"):
         assert all(rows[arm, r]["rows_trained"] > 0 and rows[arm, r]["promoted"] for r in (1, 2))
         fps = [rows[arm, r]["fingerprint"] for r in range(3)]
         assert len(set(fps)) == 3  # every promoted round changes the weights served
@@ -89,6 +113,9 @@ def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, ti
         ledger = [json.loads(x) for x in (out / "arms" / arm / "buffer" / "_ledger.jsonl").read_text().splitlines()]
         assert [(e["shard"].split("-0")[0], e["tag"]) for e in ledger] == [(f"{arm}-round1", 1), (f"{arm}-round2", 2)]
     assert rows["opd", 2]["fingerprint"] != rows["osd", 2]["fingerprint"]
+    # head-only updates: new heads, the drafter served as it was (greedy serving: the same held-out tau)
+    assert rows["head", 1]["heldout_tau"] == rows["head", 2]["heldout_tau"] == rows["none", 0]["heldout_tau"]
+    assert any(x.startswith("Head (head): held-out MAE") for x in lines)
     assert all(rows["none", r]["fingerprint"] == start and rows["none", r]["rows_trained"] == 0 for r in range(3))
     assert rows["none", 1]["traffic_policy"] == "fixed" and rows["none", 1]["head_mae"] is None  # no head ever
     assert rows["none", 2]["traffic_head_mae"] is None and "traffic_head_mae" in rows["opd", 2]

@@ -136,7 +136,7 @@ def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
     assert cfg.loss.kind == "opd" and cfg.loss.clip_mode == "vocab" and cfg.max_rounds == 0
     assert load_config(REPO / "configs" / "online_tiny.yaml", OnlineConfig).drafter.save_dtype == "float32"
     bad = tmp_path / "bad.yaml"
-    for text, match in [("loss:\n  kind: kl\n", "kind must be 'opd' or 'osd'"),
+    for text, match in [("loss:\n  kind: kl\n", r"kind must be one of \('opd', 'osd', 'head'\)"),
                         ("deepspeed:\n  zero_stage: 3\n", "zero_stage must be 0, 1 or 2"),
                         ("buffer:\n  min_new_round: 5\n", "unknown key.*min_new_round"),
                         ("train:\n  replay_rounds: -1\n", "replay_rounds must be >= 0"),
@@ -330,6 +330,34 @@ def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_se
     state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
     assert state["weights_tag"] == "champion-v2" and state["base_version"] == "2" and state["champion"] == "2"
     assert any("champion moved to v2 outside the trainer" in x for x in lines)
+
+
+def test_head_only_rounds_leave_the_drafter_as_served_and_fit_the_head(tmp_path, served, mlflow_server, tiny_hf_dir,
+                                                                       tiny_drafter_dir):
+    """loss.kind "head": no distillation, the published drafter is the served one bit for bit (in the save dtype),
+    only the length head learns from the acceptance labels, and the gate promotes it (tau cannot move)."""
+    from safetensors.torch import load_file
+
+    from adaflash.registry import Registry
+
+    path = trainer_config(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "head-only", loss={"kind": "head"})
+    cfg = load_config(path, OnlineConfig)
+    trainer = OnlineTrainer(cfg, log=lambda _: None)
+    start = {**load_file(str(tmp_path / "ckpt" / "init" / "model.safetensors")),
+             **load_file(str(tmp_path / "ckpt" / "init" / "length_head.safetensors"))}
+    assert trainer.run(1) == 1
+    (rec,) = history(tmp_path / "ckpt")
+    assert rec["promote"] and rec["tau_after"] == rec["tau_before"]
+    assert rec["head_mae_after"] < rec["head_mae_before"], (rec["head_mae_before"], rec["head_mae_after"])
+    reg = Registry(mlflow_server, "head-only")
+    assert reg.champion() == "1" and reg.versions()[0]["tags"]["loss"] == "head"
+    w = version_weights(reg, "1", tmp_path / "dl")
+    dtype = getattr(torch, cfg.drafter.save_dtype)
+    drafter_keys = [k for k in w if not k.startswith(("proj.", "res.", "out."))]
+    assert drafter_keys and all(torch.equal(w[k], start[k].to(dtype)) for k in drafter_keys)
+    assert not all(torch.equal(w[k], start[k]) for k in ("proj.weight", "out.weight"))
+    steps = [json.loads(x) for x in (tmp_path / "ckpt" / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == cfg.train.steps_per_update and not {"hard", "rkl", "fkl"} & set(steps[0])
 
 
 def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monkeypatch, served, mlflow_server,

@@ -45,9 +45,13 @@ class BufferSection:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
 
 
+LOSS_KINDS = ("opd", "osd", "head")
+
+
 @dataclass
 class LossSection:
-    kind: str = "opd"  # "opd" (AdaFlash: top-1 CE + clipped reverse KL) or "osd" (baseline: forward KL)
+    kind: str = "opd"  # "opd" (AdaFlash: top-1 CE + clipped reverse KL), "osd" (baseline: forward KL), or
+    #                    "head" (the drafter stays frozen; only the length head learns from the live acceptance labels)
     alpha: float = 0.8  # OPD weight of the hard top-1 term; 1 - alpha goes to the reverse KL
     temperature: float = 1.0
     clip: float | None = 1.0  # clip of the reverse-KL terms; null disables clipping
@@ -56,8 +60,8 @@ class LossSection:
     head_weight: float = 1.0  # weight of the length-head MSE (its gradients reach only the head)
 
     def __post_init__(self):
-        if self.kind not in ("opd", "osd"):
-            raise ValueError(f"kind must be 'opd' or 'osd', got {self.kind!r}")
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"kind must be one of {LOSS_KINDS}, got {self.kind!r}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.clip_mode not in CLIP_MODES:

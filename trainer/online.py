@@ -8,6 +8,7 @@ One update round:
   2. split trajectories train / held-out by request_id hash, add the previous rounds' ones kept in the
      round memory (`train.replay_rounds`, `gate.heldout_rounds`); one target forward per trajectory
   3. held-out tau before; `steps_per_update` DeepSpeed steps on the recorded anchors; held-out tau after
+     (loss.kind "head": the drafter is frozen and only the length head trains on the acceptance labels)
   4. gate: promote when tau after >= tau before - tolerance (and enough held-out blocks)
   5. durable: export drafter + head, DeepSpeed checkpoint (kept weights only), the round's trajectories
      into the round memory, state.json with the round's shards and what is left to publish, THEN
@@ -79,15 +80,17 @@ class OnlineModel(nn.Module):
         return self.drafter.lm_head(h), self.head(block.float()).view(batch["anchors"].shape)
 
 
-def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor, batch: dict, cfg: OnlineConfig) -> tuple[Tensor, dict]:
-    """Distillation (OPD or OSD) over valid positions + length-head MSE over full blocks.
-    logits / tgt_logits [B, NB, K-1, V]; pred [B, NB]."""
+def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor | None, batch: dict, cfg: OnlineConfig) -> tuple[Tensor, dict]:
+    """Distillation (OPD or OSD; none for loss.kind "head") over valid positions + length-head MSE over full
+    blocks. logits / tgt_logits [B, NB, K-1, V]; pred [B, NB]."""
     lc, k_blk = cfg.loss, logits.shape[2] + 1
-    d, t, valid = logits.flatten(0, 1), tgt_logits.flatten(0, 1), batch["valid"].flatten(0, 1)  # [N, K-1, V], [N, K-1]
+    d, valid = logits.flatten(0, 1), batch["valid"].flatten(0, 1)  # [N, K-1, V], [N, K-1]
     if lc.kind == "opd":
-        out = opd_loss(d, t, valid, lc.alpha, lc.temperature, lc.clip, lc.clip_mode, lc.gamma)
-    else:
-        out = osd_loss(d, t, valid, lc.temperature, lc.gamma)
+        out = opd_loss(d, tgt_logits.flatten(0, 1), valid, lc.alpha, lc.temperature, lc.clip, lc.clip_mode, lc.gamma)
+    elif lc.kind == "osd":
+        out = osd_loss(d, tgt_logits.flatten(0, 1), valid, lc.temperature, lc.gamma)
+    else:  # "head": the drafter is frozen, no distillation (tgt_logits is None)
+        out = {"loss": pred.sum() * 0.0}
     full = batch["full"].flatten()  # [N]
     with torch.no_grad():
         acc = accepted_length(d.argmax(-1), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
@@ -192,9 +195,10 @@ class OnlineTrainer:
         fresh = not self.state_path.exists()
         drafter = load_drafter(self.ckpt / "init", self.target.model, self.target.identity, torch.float32)
         head = load_length_head(self.ckpt / "init", drafter.config.hidden_size)
-        model = OnlineModel(drafter.requires_grad_(True), head.requires_grad_(True))
-        groups = [{"params": list(drafter.parameters()), "lr": cfg.train.lr},
-                  {"params": list(head.parameters()), "lr": cfg.train.head_lr, "weight_decay": 0.0}]
+        frozen = cfg.loss.kind == "head"  # only the length head learns; the drafter is served as it is
+        model = OnlineModel(drafter.requires_grad_(not frozen), head.requires_grad_(True))
+        groups = [] if frozen else [{"params": list(drafter.parameters()), "lr": cfg.train.lr}]
+        groups.append({"params": list(head.parameters()), "lr": cfg.train.head_lr, "weight_decay": 0.0})
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(cfg))
         self.k_blk = drafter.block_size
         if fresh:  # round 0 = the starting weights, so every round has a checkpoint to resume or roll back to
@@ -401,8 +405,10 @@ class OnlineTrainer:
         t = self.cfg.train
         batch = make_batch(train_items(seqs, i, self.rank, self.world, t.seqs_per_step, t.anchors_per_seq, t.seed, r), self.k_blk)
         self.engine.train()
-        with torch.no_grad():
-            tgt_logits = self.target.model.lm_head(batch["tgt_hidden"]).float()  # [B, NB, K-1, V]
+        tgt_logits = None  # the teacher's distributions: only distillation needs them
+        if self.cfg.loss.kind != "head":
+            with torch.no_grad():
+                tgt_logits = self.target.model.lm_head(batch["tgt_hidden"]).float()  # [B, NB, K-1, V]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
             logits, pred = self.engine(batch)
         loss, metrics = update_loss(logits, pred, tgt_logits, batch, self.cfg)
