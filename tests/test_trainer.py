@@ -24,7 +24,7 @@ from adaflash.length_head import LengthHead, LengthHeadConfig
 from adaflash.target import load_target
 from adaflash.trainer.config import OnlineConfig
 from adaflash.trainer.data import Sequence, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
-from adaflash.trainer.online import OnlineModel, OnlineTrainer, ds_config, gate, refit_head, update_loss
+from adaflash.trainer.online import OnlineModel, OnlineTrainer, clip_per_group, ds_config, gate, refit_head, update_loss
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS_PER_SHARD = 4
@@ -215,8 +215,27 @@ def train_step(engine, target, batch, cfg) -> dict:
     logits, pred = engine(batch)
     loss, metrics = update_loss(logits, pred, tgt_logits, batch, cfg)
     engine.backward(loss)
+    norms = clip_per_group(engine, cfg.train.grad_clip)
     engine.step()
-    return {"loss": float(loss.detach()), **metrics}
+    return {"loss": float(loss.detach()), "grad_norms": norms, **metrics}
+
+
+def test_drafter_and_head_gradients_are_clipped_apart(served, supervised, tiny_drafter_dir):
+    """Per-group clipping (ZeRO 0): the head's loss does not change the drafter's clipped step."""
+    batch = make_batch(train_items(supervised[0], 0, 0, 1, 2, 6, 0, 1), 4)
+    runs = {}
+    for weight in (1.0, 0.0):
+        cfg = from_dict(OnlineConfig, {"train": {"lr": 1e-3, "grad_clip": 0.05}, "loss": {"head_weight": weight}})
+        assert ds_config(cfg)["gradient_clipping"] == 0.0  # DeepSpeed's global clipping is off
+        engine = ds_engine(served, tiny_drafter_dir, cfg)
+        step = train_step(engine, served["target"], batch, cfg)
+        runs[weight] = (dict(engine.module.drafter.state_dict()), step)
+    (drafter_w, step), (drafter_0, step_0) = runs[1.0], runs[0.0]
+    assert step["grad_norms"][0] > 0.05  # over the clip: clipping acts on the drafter
+    assert step["grad_norms"][1] > 0 and step_0["grad_norms"][1] == 0  # the head's gradient differs between the runs
+    assert all(torch.equal(drafter_w[k], drafter_0[k]) for k in drafter_w)
+    # ZeRO > 0 partitions gradients across ranks: DeepSpeed clips the global norm there
+    assert ds_config(from_dict(OnlineConfig, {"deepspeed": {"zero_stage": 1}}))["gradient_clipping"] == 1.0
 
 
 def test_loss_decreases_on_a_fixed_batch(served, supervised, tiny_drafter_dir):

@@ -78,7 +78,7 @@ class TrainSection:
     lr: float = 3e-5  # drafter learning rate (fine-tuning a pretrained drafter)
     head_lr: float = 2e-4  # length-head learning rate (its own parameter group)
     weight_decay: float = 0.0
-    grad_clip: float = 1.0  # DeepSpeed clips the global norm of drafter + head gradients
+    grad_clip: float = 1.0  # max gradient norm, per group (drafter, head) with ZeRO 0; global under ZeRO > 0
     autocast_bf16: bool = False  # bf16 autocast of the drafter forward on CPU
     eval_seqs: int = 8  # trajectories per forward when computing supervision and held-out tau
     replay_rounds: int = 0  # also train on the training trajectories of this many previous rounds

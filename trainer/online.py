@@ -133,13 +133,23 @@ def ds_config(cfg: OnlineConfig) -> dict:
     conf = {
         "train_micro_batch_size_per_gpu": t.seqs_per_step,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": t.grad_clip,
+        # ZeRO 0: clipped per parameter group in the trainer (`clip_per_group`); ZeRO > 0: DeepSpeed's global norm
+        "gradient_clipping": t.grad_clip if cfg.deepspeed.zero_stage else 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "weight_decay": t.weight_decay, "torch_adam": True}},
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
         "steps_per_print": 10**9,
     }
     conf.update(cfg.deepspeed.extra)
     return conf
+
+
+def clip_per_group(engine, max_norm: float) -> list[float]:
+    """Clip each optimizer parameter group (drafter, length head) to its own gradient norm: one global
+    norm ties them (the head's loss changes the drafter's clipped step, and the drafter's norm rescales
+    the head's gradients from step to step). Gradients must be whole on every rank (ZeRO 0).
+    -> each group's norm before clipping."""
+    return [float(torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], max_norm))
+            for g in engine.optimizer.param_groups]
 
 
 def gate(before: dict, after: dict, tolerance: float, min_blocks: int) -> tuple[bool, str]:
@@ -199,6 +209,7 @@ class OnlineTrainer:
         model = OnlineModel(drafter.requires_grad_(not frozen), head.requires_grad_(True))
         groups = [] if frozen else [{"params": list(drafter.parameters()), "lr": cfg.train.lr}]
         groups.append({"params": list(head.parameters()), "lr": cfg.train.head_lr, "weight_decay": 0.0})
+        self.groups = ["head"] if frozen else ["drafter", "head"]  # names of the optimizer's parameter groups
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(cfg))
         self.k_blk = drafter.block_size
         if fresh:  # round 0 = the starting weights, so every round has a checkpoint to resume or roll back to
@@ -413,6 +424,9 @@ class OnlineTrainer:
             logits, pred = self.engine(batch)
         loss, metrics = update_loss(logits, pred, tgt_logits, batch, self.cfg)
         self.engine.backward(loss)
+        if not self.cfg.deepspeed.zero_stage and t.grad_clip > 0:
+            norms = clip_per_group(self.engine, t.grad_clip)
+            metrics.update({f"grad_norm_{name}": n for name, n in zip(self.groups, norms)})
         self.engine.step()
         metrics["loss"] = float(loss.detach())
         if self.rank == 0:
