@@ -10,9 +10,9 @@ drafter, for each online round: serve the round's prompts through the engine, wr
 trajectory buffer, let the arm's online trainer (OPD or OSD; head: the drafter frozen, only the length
 head learns; none: no update) run one update round and publish to the MLflow registry, then serve the
 held-out HumanEval prompts with the arm's champion to measure tau (tokens per target forward) and the
-length head's error, beside the starting head's error on the same blocks. Writes results.json, report.md and PNGs into
---out and prints whether the gate is met (OPD tau >= min_gain x start, OPD >= OSD). Rerun the same
-command to resume after a crash: finished (arm, round) rows are kept.
+length head's error, beside the starting head's error on the same blocks. Writes results.json,
+report.md and PNGs into --out and prints whether the gate is met (OPD tau >= min_gain x start,
+OPD >= OSD). Rerun the same command to resume after a crash: finished (arm, round) rows are kept.
 
 Example: adaflash experiment domain-shift --config configs/experiment_domain_shift.yaml --out runs/domain-shift
 """
