@@ -52,7 +52,7 @@ from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, 
 from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
 from adaflash.registry import load_version
 from adaflash.target import load_target
-from adaflash.trainer.config import OnlineConfig
+from adaflash.trainer.config import LossSection, OnlineConfig
 from adaflash.trainer.data import (capture_output, eval_items, heldout_tau, is_heldout, make_batch, supervise, to_sequences,
                                    train_items)
 from adaflash.trainer.memory import RoundMemory
@@ -80,17 +80,26 @@ class OnlineModel(nn.Module):
         return self.drafter.lm_head(h), self.head(block.float()).view(batch["anchors"].shape)
 
 
+def distill_loss(logits: Tensor, tgt_logits: Tensor, valid: Tensor, lc: LossSection) -> dict[str, Tensor]:
+    """The drafter's distillation loss of `lc.kind` (opd | osd) over the valid positions.
+    logits / tgt_logits [B, NB, K-1, V], valid [B, NB, K-1] -> {"loss": scalar with grad, metrics...}."""
+    d, t, v = logits.flatten(0, 1), tgt_logits.flatten(0, 1), valid.flatten(0, 1)  # [N, K-1, V] x2, [N, K-1]
+    if lc.kind == "opd":
+        return opd_loss(d, t, v, lc.alpha, lc.temperature, lc.clip, lc.clip_mode, lc.gamma)
+    if lc.kind == "osd":
+        return osd_loss(d, t, v, lc.temperature, lc.gamma)
+    raise ValueError(f"loss.kind {lc.kind!r} has no distillation loss (opd or osd)")
+
+
 def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor | None, batch: dict, cfg: OnlineConfig) -> tuple[Tensor, dict]:
     """Distillation (OPD or OSD; none for loss.kind "head") over valid positions + length-head MSE over full
     blocks. logits / tgt_logits [B, NB, K-1, V]; pred [B, NB]."""
     lc, k_blk = cfg.loss, logits.shape[2] + 1
     d, valid = logits.flatten(0, 1), batch["valid"].flatten(0, 1)  # [N, K-1, V], [N, K-1]
-    if lc.kind == "opd":
-        out = opd_loss(d, tgt_logits.flatten(0, 1), valid, lc.alpha, lc.temperature, lc.clip, lc.clip_mode, lc.gamma)
-    elif lc.kind == "osd":
-        out = osd_loss(d, tgt_logits.flatten(0, 1), valid, lc.temperature, lc.gamma)
-    else:  # "head": the drafter is frozen, no distillation (tgt_logits is None)
+    if lc.kind == "head":  # the drafter is frozen, no distillation (tgt_logits is None)
         out = {"loss": pred.sum() * 0.0}
+    else:
+        out = distill_loss(logits, tgt_logits, batch["valid"], lc)
     full = batch["full"].flatten()  # [N]
     with torch.no_grad():
         acc = accepted_length(d.argmax(-1), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
