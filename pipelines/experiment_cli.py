@@ -1,4 +1,4 @@
-"""`adaflash experiment domain-shift | swap`: the online-learning measurements (registered into the `adaflash` CLI)."""
+"""`adaflash experiment domain-shift | replay | swap`: the online-learning measurements (registered into the `adaflash` CLI)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,19 @@ OPD >= OSD). Rerun the same command to resume after a crash: finished (arm, roun
 Example: adaflash experiment domain-shift --config configs/experiment_domain_shift.yaml --out runs/domain-shift
 """
 
+REPLAY = """\
+Compares distillation losses (OPD, OSD, variants) offline on traffic a run already recorded, over
+several seeds: the buffer's trajectories in time order are cut into rounds; for each loss and seed, from
+the same starting drafter, each round trains on its trajectories (plus replayed earlier rounds) through
+the online trainer's data path and loss, then measures teacher-forced tau on the target's greedy answers
+to held-out eval prompts (more prompts than the online run serves, no serving cost). Tells apart losses
+that one online run per arm cannot. Reads the buffer without consuming or moving anything. Writes
+runs.jsonl (resumable: finished (loss, seed) pairs are kept), results.json, report.md and
+tau_per_round.png into --out.
+
+Example: adaflash experiment replay --config configs/experiment_replay.yaml --out runs/replay
+"""
+
 SWAP = """\
 Serves streaming chat completions from a real in-process `adaflash serve` app, registers a second
 drafter version and moves `champion` to it while clients stream; measures failed requests (must be 0),
@@ -32,13 +45,17 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="experiment", required=True)
     d = sub.add_parser("domain-shift", help="OPD vs OSD vs no update after a domain shift, per online round",
                        description=DOMAIN_SHIFT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r = sub.add_parser("replay", help="losses side by side on recorded traffic, over seeds (offline)",
+                       description=REPLAY, formatter_class=argparse.RawDescriptionHelpFormatter)
     s = sub.add_parser("swap", help="failed requests and inter-token latency around a registry hot-swap",
                        description=SWAP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for q, func, example in ((d, run_domain_shift, "configs/experiment_domain_shift.yaml"), (s, run_swap, "configs/experiment_swap.yaml")):
+    for q, func, example in ((d, run_domain_shift, "configs/experiment_domain_shift.yaml"),
+                             (r, run_replay, "configs/experiment_replay.yaml"), (s, run_swap, "configs/experiment_swap.yaml")):
         q.add_argument("--config", required=True, help=f"YAML, e.g. {example}")
         q.add_argument("--out", required=True, help="output folder (results, report, plots)")
-        q.add_argument("--tracking-uri", default=None,
-                       help="MLflow server URL (overrides tracking_uri; default: a private server under OUT/mlflow)")
+        if q is not r:  # the replay touches no registry
+            q.add_argument("--tracking-uri", default=None,
+                           help="MLflow server URL (overrides tracking_uri; default: a private server under OUT/mlflow)")
         q.set_defaults(func=func)
     d.add_argument("--arms", default=None, help="comma list of arms to run, overriding the config's (e.g. head,opd)")
 
@@ -53,6 +70,16 @@ def run_domain_shift(args: argparse.Namespace) -> int:
         cfg.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
         cfg.__post_init__()  # the same check as in the YAML
     Experiment(cfg, args.out).run()
+    print(f"report: {args.out}/report.md")
+    return 0
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from adaflash.config import load_config
+    from adaflash.pipelines.loss_replay import Replay, ReplayConfig
+
+    cfg = load_config(args.config, ReplayConfig)
+    Replay(cfg, args.out).run()
     print(f"report: {args.out}/report.md")
     return 0
 

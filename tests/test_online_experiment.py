@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from adaflash.config import ConfigError, from_dict, load_config
+from adaflash.pipelines.loss_replay import Replay, ReplayConfig
 from adaflash.pipelines.online_experiment import Experiment, ExperimentConfig, fingerprint
 from adaflash.pipelines.swap_bench import SwapConfig, run_swap_bench
 
@@ -87,6 +88,14 @@ def test_committed_configs_load_and_bad_trainer_keys_are_refused():
         from_dict(ExperimentConfig, {"trainer": {"buffer": {"dir": "x"}}})
     with pytest.raises(ConfigError, match="arms must be distinct"):
         from_dict(ExperimentConfig, {"arms": ["opd", "opd"]})
+    replay = load_config(REPO / "configs" / "experiment_replay.yaml", ReplayConfig)
+    assert list(replay.loss_sections) == ["osd", "opd"] and replay.loss_sections["opd"].clip_mode == "vocab"
+    with pytest.raises(ConfigError, match=r"losses.h.kind must be 'opd' or 'osd'"):
+        from_dict(ReplayConfig, {"losses": {"h": {"kind": "head"}}})
+    with pytest.raises(ConfigError, match=r"losses.x: unknown key\(s\) \['alpah'\]"):
+        from_dict(ReplayConfig, {"losses": {"x": {"alpah": 0.5}}})
+    with pytest.raises(ConfigError, match=r"train.seed .* list the seeds under `seeds`"):
+        from_dict(ReplayConfig, {"train": {"seed": 3}})
 
 
 def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, tiny_drafter_dir, prompt_sets, mlflow_server):
@@ -140,6 +149,58 @@ def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, ti
     (shard,) = (out / "arms" / "opd" / "buffer").glob("opd-round3-*.parquet")
     assert set(pq.read_table(shard).column("drafter_version").to_pylist()) == {"2"}
     assert again["opd", 3]["drafter_version"] == "3" and again["opd", 3]["minutes"] > again["opd", 2]["minutes"]
+
+
+def test_loss_replay_compares_losses_over_seeds_and_leaves_the_buffer_as_it_was(tmp_path, tiny_hf_dir, tiny_drafter_dir,
+                                                                                prompt_sets):
+    import torch
+
+    from adaflash.buffer import ShardWriter
+    from adaflash.drafter import load_drafter
+    from adaflash.engine import Engine, FixedPolicy, Request
+    from adaflash.pipelines.prompts import read_prompts
+    from adaflash.target import load_target
+
+    t = load_target(str(tiny_hf_dir), "float32")
+    drafter = load_drafter(tiny_drafter_dir, t.model, t.identity, torch.float32)
+    recs = read_prompts(prompt_sets / "train.parquet", ["code"])[:10]
+    buf = tmp_path / "buffer"
+    for r in (1, 2):  # two rounds of served traffic, a shard each
+        engine = Engine(t.model, drafter, FixedPolicy(), t.eos_ids, max_batch=5, token_budget=2048)
+        done = engine.run([Request(f"r{r}-{x.prompt_id}", t.encode_chat(x.messages), 20, domain="code") for x in recs[(r - 1) * 5 : r * 5]])
+        writer = ShardWriter(buf, f"round{r}", rows_per_shard=10**9, max_age_s=None)
+        writer.extend(engine.trajectory(s, f"round{r}") for s in done)
+        writer.close()
+    (buf / "torn.parquet").write_bytes(b"PAR1 cut short")
+    before = {p.name: p.stat().st_mtime_ns for p in buf.iterdir()}
+    paths = {"PATH-TO-TINY-TARGET": tiny_hf_dir, "PATH-TO-TINY-DRAFTER": tiny_drafter_dir,
+             "PATH-TO-PROMPT-SETS": prompt_sets, "PATH-TO-BUFFER": buf}
+    cfg = tiny_config("experiment_replay_tiny.yaml", tmp_path, paths, ReplayConfig)
+    out, lines = tmp_path / "out", []
+    res = Replay(cfg, out, log=lines.append).run()
+
+    runs = {(r["loss"], r["seed"]): r for r in res["runs"]}
+    assert set(runs) == {(n, s) for n in ("osd", "opd") for s in (0, 1)}
+    assert len({r["tau"][0] for r in runs.values()}) == 1  # one starting drafter, measured once
+    assert all(len(r["tau"]) == 3 and min(r["tau"]) >= 1.0 and len(r["train_loss"]) == 2 for r in runs.values())
+    assert len({r["weights"] for r in runs.values()}) == 4  # each loss and each seed trains its own way
+    assert any(x.startswith("[replay] skipping torn.parquet: unreadable") for x in lines)
+    assert {p.name: p.stat().st_mtime_ns for p in buf.iterdir()} == before  # read only: nothing consumed or moved
+    assert res["verdicts"][0].startswith("opd - osd, final round, same seed:")
+    assert len(res["summary"]["opd"]["vs_osd"]["final_diff"]) == 2
+    for f in ("report.md", "tau_per_round.png", "eval_answers.json"):
+        assert (out / f).stat().st_size > 0
+
+    # resumed: finished (loss, seed) pairs are kept, not redone
+    resumed = Replay(cfg, out, log=lines.append)
+    again = resumed.run()
+    assert resumed.rounds == []  # nothing left to do: the buffer is not even read
+    assert [(r["loss"], r["seed"], r["weights"]) for r in again["runs"]] == [(r["loss"], r["seed"], r["weights"]) for r in res["runs"]]
+    # deterministic: one pair replayed from scratch trains the same weights
+    cfg.losses, cfg.seeds = {"opd": cfg.losses["opd"]}, [1]
+    cfg.__post_init__()
+    (one,) = Replay(cfg, tmp_path / "one", log=lines.append).run()["runs"]
+    assert one["weights"] == runs["opd", 1]["weights"] and one["tau"] == runs["opd", 1]["tau"]
 
 
 def test_swap_under_load_fails_no_request(tmp_path, tiny_hf_dir, tiny_drafter_dir, prompt_sets, mlflow_server):
