@@ -207,7 +207,8 @@ class Replay:
     def run(self) -> dict:
         cfg = self.cfg
         done = {(r["loss"], r["seed"]) for r in self.runs}
-        todo = [(name, seed) for name in cfg.loss_sections for seed in cfg.seeds if (name, seed) not in done]
+        # seed by seed: every finished seed is a complete paired comparison of the losses
+        todo = [(name, seed) for seed in cfg.seeds for name in cfg.loss_sections if (name, seed) not in done]
         if todo:
             self._prepare()
         start = None
