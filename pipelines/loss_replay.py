@@ -161,6 +161,11 @@ def eval_sequences(answers: list[dict], domain: str, k_blk: int, stride: int) ->
     return seqs
 
 
+def draft_logits(drafter, batch: dict) -> torch.Tensor:
+    """The drafter's block logits for a `trainer.data.make_batch` batch.  -> [B, NB, K-1, V]."""
+    return drafter.lm_head(drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"]))
+
+
 def weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
@@ -227,8 +232,7 @@ class Replay:
 
         def forward(batch):  # -> draft logits [B, NB, K-1, V], no head: zeros [B, NB]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.train.autocast_bf16):
-                h = drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])
-                return drafter.lm_head(h), torch.zeros(batch["anchors"].shape)
+                return draft_logits(drafter, batch), torch.zeros(batch["anchors"].shape)
 
         return heldout_tau(forward, self.eval, self.k_blk, self.cfg.train.anchors_per_seq, self.cfg.train.eval_seqs)["tau"]
 
@@ -253,7 +257,7 @@ class Replay:
                 with torch.no_grad():
                     tgt_logits = self.target.model.lm_head(batch["tgt_hidden"]).float()  # [B, NB, K-1, V]
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
-                    logits = drafter.lm_head(drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"]))
+                    logits = draft_logits(drafter, batch)  # [B, NB, K-1, V]
                 loss = distill_loss(logits, tgt_logits, batch["valid"], lc)["loss"]
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -283,7 +287,8 @@ def write_report(runs: list[dict], cfg: ReplayConfig, out: Path, log=print) -> d
     start = runs[0]["tau"][0] if runs else math.nan
     summary = {n: {"seeds": sorted(by[n]), "mean": [statistics.fmean(x) for x in zip(*(r["tau"] for r in by[n].values()))]}
                for n in names}
-    lines = [f"# Loss replay: {len(names)} losses x {len(cfg.seeds)} seeds on recorded traffic ({cfg.rounds} rounds)", "",
+    lines = [f"# Loss replay: {len(names)} losses x {len({r['seed'] for r in runs})} seeds on recorded traffic "
+             f"({cfg.rounds} rounds)", "",
              f"Start drafter `{cfg.drafter}`, traffic `{cfg.buffer}`, {cfg.train.steps_per_update} steps per round "
              f"(lr {cfg.train.lr}, {cfg.train.seqs_per_step} trajectories x {cfg.train.anchors_per_seq} recorded blocks per step, "
              f"replay {cfg.train.replay_rounds} rounds). Held-out: teacher-forced tau on the target's greedy answers to "
