@@ -267,7 +267,7 @@ class Target:
 def fingerprint(model: TargetModel) -> str:
     """Short hash of the embedding table: tells two targets apart regardless of where they were loaded from."""
     w = model.model.embed_tokens.weight.detach().float()
-    return hashlib.sha256(w[:: max(1, w.shape[0] // 256)].numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(w[:: max(1, w.shape[0] // 256)].cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def cache_root() -> Path:
@@ -336,8 +336,19 @@ def resolve_dtype(name: str) -> torch.dtype:
     return table[name]
 
 
-def load_target(source: str = "smollm2", dtype: str | torch.dtype = "auto", feature_layers: list[int] | None = None) -> Target:
-    """`source`: "smollm2" (the packaged GGUF), a .gguf file, or a local HF directory."""
+def resolve_device(name: str) -> torch.device:
+    """"auto" = the GPU where there is one, else the CPU; or any torch device name ("cpu", "cuda:1")."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device here: use 'cpu' or 'auto'")
+    return dev
+
+
+def load_target(source: str = "smollm2", dtype: str | torch.dtype = "auto", feature_layers: list[int] | None = None,
+                device: str = "cpu") -> Target:
+    """`source`: "smollm2" (the packaged GGUF), a .gguf file, or a local HF directory; `device`: see resolve_device."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -364,7 +375,7 @@ def load_target(source: str = "smollm2", dtype: str | torch.dtype = "auto", feat
     if missing or unexpected:
         raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
-    model = model.to(dtype).eval().requires_grad_(False)
+    model = model.to(device=resolve_device(device), dtype=dtype).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
     identity = {
         "name": name,

@@ -35,6 +35,7 @@ STAGES = ("prompts", "regenerate", "train", "export", "eval")
 class TargetSection:
     source: str = "smollm2"  # "smollm2" (packaged GGUF), a .gguf file, or a local HF directory
     dtype: str = "float32"  # float32 keeps greedy speculative output identical to plain decoding
+    device: str = "auto"  # regenerate/train/export: the GPU where there is one; eval runs on the CPU (CPU timings)
 
 
 @dataclass
@@ -44,6 +45,16 @@ class RegenSection:
     max_new_tokens: int = 256
     dtype: str = "bfloat16"  # generation throughput; answers stay the target's own
     limit_per_domain: int | None = None
+    samples: int = 0  # extra answers per prompt sampled at `temperature` (besides the greedy one)
+    temperature: float = 0.8
+    seed: int = 0
+    store_features: bool = True  # False: token ids only, train.features must be "target" (GPU)
+    time_limit_min: float | None = None  # stop after the batch that crosses this; rerun to continue
+    max_batch_tokens: int | None = None  # cap on batch x longest prompt (prefill memory); None = batch_size only
+
+    def __post_init__(self):
+        if self.samples < 0 or (self.samples and self.temperature <= 0):
+            raise ValueError("regen.samples must be >= 0, and sampled answers need temperature > 0")
 
 
 @dataclass
@@ -74,10 +85,13 @@ class TrainSection:
     time_limit_min: float | None = None  # checkpoint and stop after this long (resume later)
     seed: int = 0
     domains: list[str] | None = None  # train only on answers of these domains (None = all regenerated)
+    features: str = "stored"  # "stored": read the regenerated features; "target": recompute them each step (GPU)
 
     def __post_init__(self):
         if self.seqs_per_step < 1 or self.anchors_per_seq < 1 or self.max_steps < 1:
             raise ValueError("seqs_per_step, anchors_per_seq and max_steps must be >= 1")
+        if self.features not in ("stored", "target"):
+            raise ValueError(f"train.features must be 'stored' or 'target', got {self.features!r}")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
 
@@ -102,6 +116,10 @@ class PretrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
 
+    def __post_init__(self):
+        if not self.regen.store_features and self.train.features == "stored":
+            raise ValueError("regen.store_features is false, so train.features must be 'target' (features recomputed)")
+
 
 # --------------------------------------------------------------------------- data
 
@@ -111,16 +129,20 @@ def answers_path(cfg: "PretrainConfig") -> Path:
 
 
 class AnswerSet:
-    """The regenerated shards: token ids in memory, features read lazily from safetensors."""
+    """The regenerated shards: token ids in memory, features (if `features`) read lazily from safetensors."""
 
-    def __init__(self, answers_dir: Path, domains: list[str] | None = None):
+    def __init__(self, answers_dir: Path, domains: list[str] | None = None, features: bool = True):
         from safetensors import safe_open
 
         self.rows: list[dict] = []
         self._files = {}
         for f in sorted(answers_dir.glob("answers-*.parquet")):
             feat_path = f.with_name(f.name.replace(".parquet", ".features.safetensors"))
-            self._files[f.name] = safe_open(str(feat_path), framework="pt")
+            if features:
+                if not feat_path.exists():
+                    raise FileNotFoundError(f"{feat_path} is missing: these answers were regenerated without features "
+                                            "(regen.store_features: false); set train.features: target")
+                self._files[f.name] = safe_open(str(feat_path), framework="pt")
             for r in pq.read_table(f).to_pylist():
                 r["shard"] = f.name
                 if domains is not None and r["domain"] not in domains:
@@ -134,27 +156,30 @@ class AnswerSet:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def example(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """-> (tokens [L], features [L-1, n*H], prompt length)."""
+    def example(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """-> (tokens [L], features [L-1, n*H] or None when not read, prompt length)."""
         r = self.rows[i]
         tokens = torch.tensor(r["prompt_ids"] + r["response_ids"])
-        n = len(tokens) - 1
-        feats = self._files[r["shard"]].get_slice("features")[r["feat_offset"] : r["feat_offset"] + n]
+        feats = None
+        if self._files:
+            n = len(tokens) - 1
+            feats = self._files[r["shard"]].get_slice("features")[r["feat_offset"] : r["feat_offset"] + n]
         return tokens, feats, len(r["prompt_ids"])
 
 
 def make_batch(data: AnswerSet, indices: list[int], anchors_per_seq: int, rng: random.Random) -> dict:
-    """Right-padded batch with random anchors in each response (anchor a: block [x_a, MASK...])."""
+    """Right-padded batch with random anchors in each response (anchor a: block [x_a, MASK...]).
+    "feats" is None when the answer set reads no features (the target recomputes them)."""
     ex = [data.example(i) for i in indices]
     t = max(len(tok) for tok, _, _ in ex)
-    n_feat = ex[0][1].shape[1]
     tokens = torch.zeros(len(ex), t, dtype=torch.long)
-    feats = torch.zeros(len(ex), t, n_feat, dtype=ex[0][1].dtype)
+    feats = None if ex[0][1] is None else torch.zeros(len(ex), t, ex[0][1].shape[1], dtype=ex[0][1].dtype)
     anchors = torch.full((len(ex), anchors_per_seq), -1, dtype=torch.long)
     lengths = torch.zeros(len(ex), dtype=torch.long)
     for b, (tok, f, p) in enumerate(ex):
         tokens[b, : len(tok)] = tok
-        feats[b, : f.shape[0]] = f
+        if feats is not None:
+            feats[b, : f.shape[0]] = f
         lengths[b] = len(tok)
         choices = list(range(p, len(tok) - 1))  # anchors in the response, each with >= 1 label
         picked = sorted(rng.sample(choices, min(anchors_per_seq, len(choices))))
@@ -164,10 +189,20 @@ def make_batch(data: AnswerSet, indices: list[int], anchors_per_seq: int, rng: r
 
 def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor, k_blk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """-> labels [B, NB, K-1] (token at anchor + k) and valid mask [B, NB, K-1]."""
-    pos = anchors[:, :, None] + torch.arange(1, k_blk)  # [B, NB, K-1]
+    pos = anchors[:, :, None] + torch.arange(1, k_blk, device=anchors.device)  # [B, NB, K-1]
     valid = (anchors[:, :, None] >= 0) & (pos < lengths[:, None, None])
     labels = torch.gather(tokens, 1, pos.clamp(max=tokens.shape[1] - 1).flatten(1)).view(pos.shape)
     return labels, valid
+
+
+@torch.no_grad()
+def target_features(target: Target, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Right-padded tokens [B, T] -> the target-layer features [B, T, n*H] that regeneration would have
+    stored (one full forward instead of token by token: equal up to rounding)."""
+    b, t = tokens.shape
+    valid = torch.arange(t, device=tokens.device)[None, :] < lengths[:, None]  # [B, T]
+    _, feats = target.model(tokens, target.model.new_cache(b, t), valid=valid, logits_last_only=True)
+    return feats
 
 
 def dflash_loss(drafter: Drafter, batch: dict, gamma: float, metrics: bool = True) -> tuple[torch.Tensor, dict]:
@@ -178,7 +213,7 @@ def dflash_loss(drafter: Drafter, batch: dict, gamma: float, metrics: bool = Tru
     labels, valid = block_labels(batch["tokens"], batch["anchors"], batch["lengths"], k_blk)
     logits = drafter.lm_head(h)  # [B, NB, K-1, V]
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-    w = torch.exp(-torch.arange(k_blk - 1, dtype=torch.float32) / gamma) * valid  # [B, NB, K-1]
+    w = torch.exp(-torch.arange(k_blk - 1, dtype=torch.float32, device=valid.device) / gamma) * valid  # [B, NB, K-1]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     if not metrics:
         return loss, {}
@@ -254,7 +289,8 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
     import deepspeed
 
     tc = cfg.train
-    data = AnswerSet(answers_path(cfg), cfg.train.domains)
+    data = AnswerSet(answers_path(cfg), cfg.train.domains, features=tc.features == "stored")
+    dev = target.model.lm_head.weight.device
     dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size,
                                   cfg.drafter.qk_norm)
     torch.manual_seed(tc.seed)
@@ -280,7 +316,10 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
         random.Random(tc.seed * 1_000_003 + epoch).shuffle(order)  # same order after a resume
         rng = random.Random(tc.seed * 7919 + step)
         batch = make_batch(data, order[idx * tc.seqs_per_step : (idx + 1) * tc.seqs_per_step], tc.anchors_per_seq, rng)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.autocast_bf16 and not torch.cuda.is_available()):
+        batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if v is not None}
+        if tc.features == "target":
+            batch["feats"] = target_features(target, batch["tokens"], batch["lengths"])
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=tc.autocast_bf16):
             loss, metrics = dflash_loss(engine.module, batch, tc.gamma, metrics=step % tc.log_every == 0)
         engine.backward(loss)
         engine.step()
@@ -320,8 +359,16 @@ def export(cfg: PretrainConfig, target: Target, run_dir: Path) -> Path:
     drafter.load_state_dict(state)
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     extra = {"training": {"recipe": "dflash-offline", "checkpoint": tag, "steps": log[-1]["step"] if log else 0,
-                          "config": to_dict(cfg.train), "sequences": len(AnswerSet(answers_path(cfg), cfg.train.domains))}}
+                          "config": to_dict(cfg.train),
+                          "sequences": len(AnswerSet(answers_path(cfg), cfg.train.domains, features=False))}}
     return drafter.save(Path(cfg.drafter_out), extra=extra)
+
+
+def stage_device(name: str) -> str:
+    """The configured device; "auto" on a GPU host is this process's GPU (LOCAL_RANK under a launcher)."""
+    if name == "auto" and torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return name
 
 
 def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
@@ -342,12 +389,15 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
         elif stage in ("regenerate", "train", "export"):
             # the frozen target weights the drafter shares: bf16 for regeneration and autocast training
             dtype = {"regenerate": cfg.regen.dtype, "train": "bfloat16" if cfg.train.autocast_bf16 else "float32"}.get(stage, "float32")
-            target = load_target(cfg.target.source, dtype)
+            target = load_target(cfg.target.source, dtype, device=stage_device(cfg.target.device))
             if stage == "regenerate":
                 from adaflash.pipelines.regenerate import regenerate
 
-                records = read_prompts(prompts_dir / "train.parquet", cfg.regen.domains, cfg.regen.limit_per_domain)
-                summary[stage] = regenerate(target, records, answers_path(cfg), cfg.regen.batch_size, cfg.regen.max_new_tokens)
+                rc = cfg.regen
+                records = read_prompts(prompts_dir / "train.parquet", rc.domains, rc.limit_per_domain)
+                summary[stage] = regenerate(target, records, answers_path(cfg), rc.batch_size, rc.max_new_tokens, rc.samples,
+                                            rc.temperature, rc.store_features, rc.seed, rc.time_limit_min,
+                                            rc.max_batch_tokens)
             elif stage == "train":
                 summary[stage] = train(cfg, target, run_dir)
             else:

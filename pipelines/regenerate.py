@@ -1,11 +1,17 @@
 """Stage (a) of pretraining: the target answers the training prompts itself ("regenerated" data).
 
-Greedy batched decoding (left-padded, finished rows dropped from the batch) writes one shard per
-batch: `answers-NNNNN.parquet` (prompt id, domain, prompt and response token ids) and, beside it,
-`answers-NNNNN.features.safetensors` holding the target-layer hidden states of every token that was
-fed to the target (all but the last one). Those are exactly the drafter's context features, recorded
-for free while generating, so training never runs the target again. The Parquet file is written last
-and atomically: a shard exists once its Parquet file does. A rerun skips prompts already answered.
+Batched decoding (left-padded, finished rows dropped from the batch) writes one shard per batch:
+`answers-NNNNN.parquet` (prompt id, domain, prompt and response token ids, sampling temperature) and,
+beside it, `answers-NNNNN.features.safetensors` holding the target-layer hidden states of every token
+that was fed to the target (all but the last one). Those are exactly the drafter's context features,
+recorded for free while generating, so CPU training never runs the target again. On a GPU, where a
+target forward is cheap and 16 KB of features per token are not, `store_features=False` keeps token
+ids only and training recomputes the features (pretrain `train.features: target`).
+
+Each prompt gets its greedy answer (id = the prompt's id) and optionally `samples` extra answers
+sampled at `temperature` (ids `<prompt id>#s1`, `#s2`, ...): more of the target's own text per prompt
+when prompts are few. The Parquet file is written last and atomically: a shard exists once its
+Parquet file does. A rerun skips answers already written.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ SCHEMA = pa.schema(
         ("prompt_ids", pa.list_(pa.int32())),
         ("response_ids", pa.list_(pa.int32())),
         ("finished", pa.bool_()),  # ended with EOS (else hit max_new_tokens)
-        ("feat_offset", pa.int64()),  # first row of this sequence in the shard's feature tensor
+        ("feat_offset", pa.int64()),  # first row of this sequence in the shard's feature tensor (-1: none stored)
+        ("temperature", pa.float32()),  # 0 = greedy
     ]
 )
 
@@ -46,27 +53,40 @@ def _next_shard(out_dir: Path) -> int:
     return max(nums, default=-1) + 1
 
 
+def next_tokens(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V], temps [B] (0 = greedy) -> next ids [B]: argmax, or a sample at the row's temperature."""
+    greedy = logits.argmax(-1)
+    if not bool((temps > 0).any()):
+        return greedy
+    probs = torch.softmax(logits / temps.clamp(min=1e-6)[:, None], dim=-1)
+    sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return torch.where(temps > 0, sampled, greedy)
+
+
 @torch.no_grad()
-def answer_batch(target: Target, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], bool, torch.Tensor]]:
-    """Greedy answers for a batch -> per prompt (response ids, ended with EOS, features [P+R-1, n*H])."""
+def answer_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, temps: list[float] | None = None,
+                 gen: torch.Generator | None = None, features: bool = True) -> list[tuple[list[int], bool, torch.Tensor | None]]:
+    """Answers for a batch -> per prompt (response ids, ended with EOS, features [P+R-1, n*H] or None).
+    `temps`: per prompt sampling temperature (None or 0 = greedy)."""
     model, eos = target.model, set(target.eos_ids)
+    dev = model.lm_head.weight.device
     b, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(b, width, dtype=torch.long)
     valid = torch.zeros(b, width, dtype=torch.bool)
     for i, p in enumerate(prompts):  # left padding
         ids[i, width - len(p) :] = torch.tensor(p)
         valid[i, width - len(p) :] = True
+    t_rows = torch.tensor(temps or [0.0] * b, dtype=torch.float32, device=dev)  # [B]
     cache = model.new_cache(b, width + max_new_tokens)
-    logits, feats = model(ids, cache, valid=valid, logits_last_only=True)
-    feat_rows = [[feats[i, width - len(p) :]] for i, p in enumerate(prompts)]  # per prompt: list of [t, n*H]
+    logits, feats = model(ids.to(dev), cache, valid=valid.to(dev), logits_last_only=True)
+    feat_rows = [[feats[i, width - len(p) :].cpu()] if features else [] for i, p in enumerate(prompts)]
     responses: list[list[int]] = [[] for _ in prompts]
     finished = [False] * b
     live = list(range(b))  # batch row -> prompt index
-    nxt = logits[:, -1].argmax(-1)  # [B]
+    nxt = next_tokens(logits[:, -1], t_rows, gen)  # [B]
     for step in range(max_new_tokens):
         keep = []
-        for row, i in enumerate(live):
-            tok = int(nxt[row])
+        for row, (i, tok) in enumerate(zip(live, nxt.tolist())):
             responses[i].append(tok)
             if tok in eos:
                 finished[i] = True
@@ -75,48 +95,80 @@ def answer_batch(target: Target, prompts: list[list[int]], max_new_tokens: int) 
         if not keep:
             break
         if len(keep) < len(live):
-            cache.select_rows(torch.tensor(keep))
-            nxt = nxt[keep]
+            rows = torch.tensor(keep, device=dev)
+            cache.select_rows(rows)
+            nxt, t_rows = nxt[rows], t_rows[rows]
             live = [live[r] for r in keep]
         logits, feats = model(nxt[:, None], cache, logits_last_only=True)
-        for row, i in enumerate(live):
-            feat_rows[i].append(feats[row])
-        nxt = logits[:, -1].argmax(-1)
-    return [(responses[i], finished[i], torch.cat(feat_rows[i])) for i in range(b)]
+        if features:
+            feats = feats.cpu()
+            for row, i in enumerate(live):
+                feat_rows[i].append(feats[row])
+        nxt = next_tokens(logits[:, -1], t_rows, gen)
+    return [(responses[i], finished[i], torch.cat(feat_rows[i]) if features else None) for i in range(b)]
 
 
-def regenerate(target: Target, records: list, out_dir: Path, batch_size: int, max_new_tokens: int) -> dict:
-    """Answer every record not answered yet; returns counts and throughput."""
+def batches(lengths: list[int], batch_size: int, max_batch_tokens: int | None) -> list[tuple[int, int]]:
+    """Split items (sorted by length) into [start, end) runs of at most `batch_size` items whose padded
+    prompt size (count x longest) stays within `max_batch_tokens`: the long prompts' prefill fits."""
+    out, start = [], 0
+    while start < len(lengths):
+        end = start + 1
+        while end < len(lengths) and end - start < batch_size and (
+                max_batch_tokens is None or (end + 1 - start) * max(lengths[start : end + 1]) <= max_batch_tokens):
+            end += 1
+        out.append((start, end))
+        start = end
+    return out
+
+
+def regenerate(target: Target, records: list, out_dir: Path, batch_size: int, max_new_tokens: int,
+               samples: int = 0, temperature: float = 0.8, store_features: bool = True, seed: int = 0,
+               time_limit_min: float | None = None, max_batch_tokens: int | None = None) -> dict:
+    """Answer every (record, sample) not answered yet; returns counts and throughput.
+    Stops after the batch that crosses `time_limit_min` (a rerun continues)."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     done = done_prompt_ids(out_dir)
-    todo = [r for r in records if r.prompt_id not in done]
-    encoded = [(r, target.encode_chat(r.messages)) for r in todo]
-    encoded.sort(key=lambda e: len(e[1]))  # similar lengths batch together: less padding
+    jobs = [(r, f"{r.prompt_id}#s{j}" if j else r.prompt_id, temperature if j else 0.0)
+            for r in records for j in range(samples + 1)]
+    todo = [j for j in jobs if j[1] not in done]
+    chats = {r.prompt_id: target.encode_chat(r.messages) for r in {r.prompt_id: r for r, _, _ in todo}.values()}
+    encoded = sorted(todo, key=lambda j: len(chats[j[0].prompt_id]))  # similar lengths batch together: less padding
     shard = _next_shard(out_dir)
-    t0, new_tokens = time.perf_counter(), 0
-    bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="regenerate", unit="prompt")
-    for start in range(0, len(encoded), batch_size):
-        batch = encoded[start : start + batch_size]
-        answers = answer_batch(target, [e[1] for e in batch], max_new_tokens)
+    dev = target.model.lm_head.weight.device
+    t0, new_tokens, answered = time.perf_counter(), 0, 0
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="regenerate", unit="answer")
+    for start, end in batches([len(chats[r.prompt_id]) for r, _, _ in encoded], batch_size, max_batch_tokens):
+        if time_limit_min is not None and time.perf_counter() - t0 > 60 * time_limit_min:
+            print(f"[adaflash] regenerate: time limit reached with {len(encoded) - start} answers to go; rerun to continue")
+            break
+        batch = encoded[start:end]
+        gen = torch.Generator(dev).manual_seed(seed * 1_000_003 + shard)  # a shard's samples are reproducible
+        answers = answer_batch(target, [chats[r.prompt_id] for r, _, _ in batch], max_new_tokens,
+                               [t for _, _, t in batch], gen, features=store_features)
         rows, feats, offset = [], [], 0
-        for (rec, prompt_ids), (resp, fin, f) in zip(batch, answers):
-            rows.append(dict(prompt_id=rec.prompt_id, domain=rec.domain, prompt_ids=prompt_ids, response_ids=resp,
-                             finished=fin, feat_offset=offset))
-            feats.append(f)
-            offset += f.shape[0]
+        for (rec, answer_id, temp), (resp, fin, f) in zip(batch, answers):
+            rows.append(dict(prompt_id=answer_id, domain=rec.domain, prompt_ids=chats[rec.prompt_id], response_ids=resp,
+                             finished=fin, feat_offset=offset if store_features else -1, temperature=temp))
+            if store_features:
+                feats.append(f)
+                offset += f.shape[0]
             new_tokens += len(resp)
         name = f"answers-{shard:05d}"
-        save_file({"features": torch.cat(feats).to(torch.bfloat16).contiguous()}, str(out_dir / f"{name}.features.safetensors"))
+        if store_features:
+            save_file({"features": torch.cat(feats).to(torch.bfloat16).contiguous()},
+                      str(out_dir / f"{name}.features.safetensors"))
         tmp = out_dir / f".{name}.parquet.tmp"
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
         os.replace(tmp, out_dir / f"{name}.parquet")
         shard += 1
+        answered += len(batch)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
-    stats = {"prompts": len(records), "answered_now": len(todo), "new_tokens": new_tokens,
-             "seconds": round(time.perf_counter() - t0, 1)}
+    stats = {"prompts": len(records), "answers": len(jobs), "answered_now": answered, "new_tokens": new_tokens,
+             "seconds": round(time.perf_counter() - t0, 1), "done": answered == len(todo)}
     (out_dir / "last_run.json").write_text(json.dumps(stats, indent=2))
     return stats

@@ -64,6 +64,55 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
     assert (tmp_path / "run" / "training.png").exists()
 
 
+def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path, tiny_hf_dir):
+    """The GPU recipe (configs/pretrain_smollm2_gpu.yaml) on the CPU: greedy + sampled answers stored
+    as token ids only, training recomputes the target features each step."""
+    from adaflash.pipelines.pretrain import make_batch, target_features
+    from adaflash.target import load_target
+
+    stored = tiny_config(tmp_path, str(tiny_hf_dir), max_steps=1)
+    stored.regen.limit_per_domain = 2
+    run_stages(stored, ["prompts", "regenerate"])
+    data = AnswerSet(tmp_path / "run" / "answers")
+    batch = make_batch(data, [0, 1], 2, __import__("random").Random(0))
+    target = load_target(str(tiny_hf_dir), "float32")
+    again = target_features(target, batch["tokens"], batch["lengths"])  # [B, T, n*H]
+    for b in range(2):
+        n = int(batch["lengths"][b]) - 1  # regeneration stores the features of every token fed (all but the last)
+        torch.testing.assert_close(again[b, :n], batch["feats"][b, :n].float(), atol=2e-2, rtol=2e-2)  # stored in bf16
+
+    cfg = tiny_config(tmp_path / "gpu-style", str(tiny_hf_dir), max_steps=2)
+    cfg.regen.limit_per_domain, cfg.regen.samples, cfg.regen.temperature = 2, 2, 1.0
+    cfg.regen.store_features, cfg.train.features = False, "target"
+    run_stages(cfg, ["prompts", "regenerate", "train"])
+    answers = tmp_path / "gpu-style" / "run" / "answers"
+    rows = [r for f in sorted(answers.glob("answers-*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert not list(answers.glob("*.features.safetensors"))
+    assert len(rows) == 4 * 3 and {r["feat_offset"] for r in rows} == {-1}
+    greedy = {r["prompt_id"]: r for r in rows if r["temperature"] == 0}
+    sampled = [r for r in rows if r["temperature"] == 1.0]
+    assert len(greedy) == 4 and {r["prompt_id"].rsplit("#s", 1)[0] for r in sampled} == set(greedy)
+    assert all(r["prompt_ids"] == greedy[r["prompt_id"].rsplit("#s", 1)[0]]["prompt_ids"] for r in sampled)
+    assert any(r["response_ids"] != greedy[r["prompt_id"].rsplit("#s", 1)[0]]["response_ids"] for r in sampled)
+    log = [json.loads(x) for x in (tmp_path / "gpu-style" / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in log)
+    with pytest.raises(FileNotFoundError, match="train.features: target"):
+        AnswerSet(answers)
+    shards = sorted(answers.glob("answers-*.parquet"))
+    run_stages(cfg, ["regenerate"])  # every answer, sampled ones included, is done: no new shard
+    assert sorted(answers.glob("answers-*.parquet")) == shards
+    with pytest.raises(ConfigError, match="train.features must be 'target'"):
+        from_dict(PretrainConfig, {"regen": {"store_features": False}})
+
+
+def test_regeneration_batches_respect_the_token_budget():
+    from adaflash.pipelines.regenerate import batches
+
+    assert batches([1, 2, 3, 4, 5, 10, 10, 20], 3, 20) == [(0, 3), (3, 5), (5, 7), (7, 8)]
+    assert batches([1, 2, 3], 8, None) == [(0, 3)]
+    assert batches([50], 4, 20) == [(0, 1)]  # a prompt longer than the budget still gets its own batch
+
+
 def test_block_labels():
     tokens = torch.arange(10)[None]
     labels, valid = block_labels(tokens, torch.tensor([[2, 7, -1]]), torch.tensor([9]), 4)
@@ -87,7 +136,7 @@ def test_config_errors(tmp_path):
         load_config(tmp_path / "nope.yaml", PretrainConfig)
 
 
-@pytest.mark.parametrize("name", ["pretrain_smollm2.yaml", "pretrain_smollm2_nocode.yaml"])
+@pytest.mark.parametrize("name", ["pretrain_smollm2.yaml", "pretrain_smollm2_nocode.yaml", "pretrain_smollm2_gpu.yaml"])
 def test_shipped_config_is_valid(name):
     from pathlib import Path
 
