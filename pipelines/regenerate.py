@@ -109,13 +109,13 @@ def answer_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, 
 
 
 def batches(lengths: list[int], batch_size: int, max_batch_tokens: int | None) -> list[tuple[int, int]]:
-    """Split items (sorted by length) into [start, end) runs of at most `batch_size` items whose padded
-    prompt size (count x longest) stays within `max_batch_tokens`: the long prompts' prefill fits."""
+    """Split items sorted by length (ascending) into [start, end) runs of at most `batch_size` items whose
+    padded prompt size (count x longest, the last) stays within `max_batch_tokens`: long prefills fit."""
     out, start = [], 0
     while start < len(lengths):
         end = start + 1
         while end < len(lengths) and end - start < batch_size and (
-                max_batch_tokens is None or (end + 1 - start) * max(lengths[start : end + 1]) <= max_batch_tokens):
+                max_batch_tokens is None or (end + 1 - start) * lengths[end] <= max_batch_tokens):
             end += 1
         out.append((start, end))
         start = end
