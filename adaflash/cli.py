@@ -145,6 +145,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         concurrency = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         raise UsageError("--concurrency takes comma-separated integers, e.g. 1,8,32") from None
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     target = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     head = None
@@ -164,10 +166,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.model.dtype).eval()
     prompts = _bench_prompts(args, target)
     rows = bench(target, drafter, head, hf_model, target.tokenizer.pad_token_id or target.eos_ids[0],
-                 prompts, methods, concurrency, args.max_new_tokens, args.token_budget, args.min_requests)
+                 prompts, methods, concurrency, args.max_new_tokens, args.token_budget, args.min_requests, args.repeats)
     meta = {"command": "adaflash " + " ".join(sys.argv[1:]), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"torch threads {__import__('torch').get_num_threads()}", "max_new_tokens": args.max_new_tokens,
-            "token_budget": args.token_budget, "target": target.identity, "dtype": args.dtype}
+            "token_budget": args.token_budget, "target": target.identity, "dtype": args.dtype, "repeats": args.repeats}
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
     return 0
@@ -240,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="runs/bench", help="output folder")
     b.add_argument("--min-requests", type=int, default=0,
                    help="each cell runs max(this, concurrency) prompts of its domain (0 = all --n-prompts)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="runs per method and cell, order rotated each time; rows report the median (3 steadies ratios "
+                        "on a noisy machine)")
     _add_prompt_args(b, "eval", 8)
     b.set_defaults(func=cmd_bench)
 

@@ -6,7 +6,10 @@ approach), `head` (AdaFlash length head, per request), and the transformers peer
 (`generate`, batched with left padding) and `hf-pld` (prompt-lookup assisted generation, which
 transformers runs one request at a time, so it is measured at concurrency 1 only). For every domain x concurrency cell the methods run in an
 order rotated per cell, so machine noise hits all alike. Each cell keeps `concurrency` requests in
-flight until its prompts are done (a closed loop).
+flight until its prompts are done (a closed loop). With `repeats` > 1 each cell runs every method
+that many times, the order rotated again per repeat: a row reports the median run's throughput and
+the median of the per-repeat speedups (one slow stretch of the machine hits one method in one
+repeat, and a single run's ratio moved by 10-20% at concurrency 32 on two cores).
 """
 
 from __future__ import annotations
@@ -108,39 +111,49 @@ def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, 
 
 
 def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[str, list[BenchPrompt]],
-          methods: list[str], concurrency: list[int], max_new: int, token_budget: int, min_requests: int = 0) -> list[dict]:
+          methods: list[str], concurrency: list[int], max_new: int, token_budget: int, min_requests: int = 0,
+          repeats: int = 1) -> list[dict]:
     """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
-    prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable."""
+    prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable.
+    `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     rows = []
     cells = [(d, c) for d in prompts_by_domain for c in concurrency]
-    bar = tqdm(total=len(cells) * len(methods), desc="bench", unit="run")
+    bar = tqdm(total=len(cells) * len(methods) * repeats, desc="bench", unit="run")
     for ci, (domain, conc) in enumerate(cells):
         prompts = prompts_by_domain[domain]
         if min_requests:
             prompts = prompts[: max(min_requests, conc)]
-        order = methods[ci % len(methods) :] + methods[: ci % len(methods)]  # rotate: noise hits all alike
-        cell = {}
-        for m in [m for m in order if not (m == "hf-pld" and conc > 1)]:  # transformers' PLD is batch-1 only
-            bar.set_postfix(domain=domain, concurrency=conc, method=m)
-            if m in HF_METHODS:
-                cell[m] = run_hf(m, hf_model, prompts, conc, max_new, target.eos_ids, pad_id)
-            else:
-                cell[m] = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget)
-            bar.update(1)
-        base = cell.get("ar", {}).get("tokens_per_s")
+        runs: dict[str, list[dict]] = {}
+        for rep in range(repeats):
+            k = (ci + rep) % len(methods)
+            order = methods[k:] + methods[:k]  # rotate per cell and repeat: noise hits all alike
+            for m in [m for m in order if not (m == "hf-pld" and conc > 1)]:  # transformers' PLD is batch-1 only
+                bar.set_postfix(domain=domain, concurrency=conc, method=m, repeat=rep + 1)
+                if m in HF_METHODS:
+                    r = run_hf(m, hf_model, prompts, conc, max_new, target.eos_ids, pad_id)
+                else:
+                    r = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget)
+                runs.setdefault(m, []).append(r)
+                bar.update(1)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB, peak of the process so far
-        for m in [m for m in methods if m in cell]:
-            r = cell[m]
-            r.update(method=m, domain=domain, concurrency=conc, speedup_vs_ar=(r["tokens_per_s"] / base) if base else None,
-                     peak_rss_mib=round(rss))
+        for m in [m for m in methods if m in runs]:
+            tps = [r["tokens_per_s"] for r in runs[m]]
+            r = dict(runs[m][sorted(range(repeats), key=tps.__getitem__)[(repeats - 1) // 2]])  # the median run
+            ratios = [x["tokens_per_s"] / a["tokens_per_s"] for x, a in zip(runs[m], runs["ar"])] if "ar" in runs else []
+            r.update(method=m, domain=domain, concurrency=conc, tokens_per_s_runs=tps,
+                     speedup_vs_ar=statistics.median(ratios) if ratios else None, peak_rss_mib=round(rss))
             rows.append(r)
     bar.close()
     return rows
 
 
 def report_markdown(rows: list[dict], meta: dict) -> str:
+    repeats = meta.get("repeats", 1)
     lines = [f"Command: `{meta['command']}`", "", f"Machine: {meta['machine']}; max_new_tokens {meta['max_new_tokens']}; "
-             f"token budget {meta['token_budget']}", "",
+             f"token budget {meta['token_budget']}"
+             + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else ""), "",
              "| domain | concurrency | method | tok/s | speedup vs ar | tau | verify tok/step | max step tok | p50 ms/tok | p95 ms/tok | requests | peak RSS MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731

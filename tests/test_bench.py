@@ -40,3 +40,14 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
                  "--out", str(tmp_path / "b2")]) == 0
     rows = json.loads((tmp_path / "b2" / "results.json").read_text())["rows"]
     assert {(r["concurrency"], r["n_requests"]) for r in rows} == {(1, 2), (3, 3)}
+    # --repeats: every method runs N times per cell; the row keeps each run and the median of the ratios
+    assert main(["bench", *common, "--methods", "ar,fixed", "--concurrency", "2", "--min-requests", "2", "--repeats", "3",
+                 "--out", str(tmp_path / "b3")]) == 0
+    res = json.loads((tmp_path / "b3" / "results.json").read_text())
+    ar, fixed = sorted(res["rows"], key=lambda r: r["method"])
+    assert res["meta"]["repeats"] == 3 and len(ar["tokens_per_s_runs"]) == len(fixed["tokens_per_s_runs"]) == 3
+    assert ar["tokens_per_s"] == sorted(ar["tokens_per_s_runs"])[1] and ar["speedup_vs_ar"] == 1.0
+    ratios = sorted(f / a for f, a in zip(fixed["tokens_per_s_runs"], ar["tokens_per_s_runs"]))
+    assert fixed["speedup_vs_ar"] == ratios[1]
+    assert "3 repeats per cell" in (tmp_path / "b3" / "report.md").read_text()
+    assert main(["bench", *common, "--repeats", "0"]) == 2
