@@ -229,7 +229,9 @@ def test_sigterm_drains_then_flushes(tiny_hf_dir, tiny_drafter_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     buffer_dir = tmp_path / "buffer"
-    cfg = {"port": port, "shutdown_grace_s": 5, "log_level": "warning",
+    # grace 2 s: the tiny model's greedy "long" answer ends with EOS well before 3000 tokens, and one fast
+    # CI run finished it inside a 5 s grace (nothing left to cancel); 40 "short" tokens need a fraction of 2 s
+    cfg = {"port": port, "shutdown_grace_s": 2, "log_level": "warning",
            "model": {"name": "tiny", "target": str(tiny_hf_dir), "drafter": str(tiny_drafter_dir),
                      "drafter_dtype": "float32"},
            "engine": {"max_model_len": 4096, "max_tokens_limit": 3000},
