@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pyarrow.parquet as pq
 import pytest
@@ -74,7 +75,7 @@ def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path,
     stored.regen.limit_per_domain = 2
     run_stages(stored, ["prompts", "regenerate"])
     data = AnswerSet(tmp_path / "run" / "answers")
-    batch = make_batch(data, [0, 1], 2, __import__("random").Random(0))
+    batch = make_batch(data, [0, 1], 2, random.Random(0))
     target = load_target(str(tiny_hf_dir), "float32")
     again = target_features(target, batch["tokens"], batch["lengths"])  # [B, T, n*H]
     for b in range(2):
