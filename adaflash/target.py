@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary
+from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack
 
 
 @dataclass
@@ -376,6 +376,7 @@ def load_target(source: str = "smollm2", dtype: str | torch.dtype = "auto", feat
         raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
     model = model.to(device=resolve_device(device), dtype=dtype).eval().requires_grad_(False)
+    prepack(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
     identity = {
         "name": name,

@@ -119,15 +119,43 @@ def test_packed_ragged_verification_matches_separate_forwards():
         torch.testing.assert_close(packed_caches[i].k[1][:, :, : ref_caches[i].length], ref_caches[i].k[1][:, :, : ref_caches[i].length])
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (2, 576), (1, 3, 576), (3, 576), (1, 4, 576), (2, 5, 576), (0, 576)])
+@pytest.mark.parametrize("shape", [(1, 576), (2, 576), (1, 3, 576), (3, 576), (1, 4, 576), (2, 5, 576), (1, 16, 576), (0, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_pads_short_float32_batches_without_changing_rows(shape, dtype):
+@pytest.mark.parametrize("grad", [False, True])
+def test_linear_matches_f_linear_packed_or_not(shape, dtype, grad):
+    """Inference (no autograd) takes the oneDNN-packed path on CPU, training the plain one; both
+    equal F.linear up to rounding, for any leading shape (and no rows)."""
     from adaflash.layers import Linear
 
     torch.manual_seed(0)
     lin = Linear(576, 200, bias=True).to(dtype)
     x = torch.randn(*shape, dtype=dtype)
-    out = lin(x)
-    ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    with torch.set_grad_enabled(grad):
+        out = lin(x)
+    ref = torch.nn.functional.linear(x, lin.weight, lin.bias).detach()
     assert out.shape == ref.shape == (*shape[:-1], 200)
-    torch.testing.assert_close(out, ref)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.detach(), ref, **tol)
+    assert out.requires_grad == grad
+
+
+def test_linear_repacks_after_weight_changes_and_takes_strided_slices():
+    """The packed copy must follow the weight (optimizer steps, hot-swap loads) and a batch-strided
+    slice (h[:, 1:4] of a block) must give the rows of the full input."""
+    from adaflash.layers import Linear, frozen_linear
+
+    torch.manual_seed(0)
+    lin = Linear(64, 32, bias=False)
+    x = torch.randn(1, 16, 64)
+    with torch.no_grad():
+        first = lin(x[:, 1:4])
+        torch.testing.assert_close(first, lin(x)[:, 1:4], atol=1e-5, rtol=1e-5)
+        lin.weight.mul_(2.0)  # in place, as an optimizer step or load_state_dict does
+        torch.testing.assert_close(lin(x[:, 1:4]), 2 * first, atol=1e-5, rtol=1e-5)
+        lin.load_state_dict({"weight": torch.zeros(32, 64)})
+        assert lin(x).abs().max() == 0
+    frozen = frozen_linear(torch.randn(32, 64))
+    assert not frozen.weight.requires_grad and (frozen.in_features, frozen.out_features) == (64, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(frozen(x), torch.nn.functional.linear(x, frozen.weight), atol=1e-5, rtol=1e-5)
+    assert not any(k.startswith("_pack") for k in lin.state_dict())
