@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "drafter-smollm2"
+CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
 
 
 class UsageError(Exception):
@@ -60,11 +61,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--max-new-tokens must be >= 1")
     if args.temperature < 0:
         raise UsageError("--temperature must be >= 0")
+    if args.verify_len is not None and args.verify_len < 1:
+        raise UsageError("--verify-len must be >= 1 (1 = the anchor alone, no drafts verified)")
     items = [{"messages": args.prompt, "domain": None}] if args.prompt is not None else read_prompts_file(Path(args.prompts_file))
     target = load_target(args.target, args.dtype)
     drafter = None
     if args.method == "dflash":
         drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
+    on_cpu = target.model.lm_head.weight.device.type == "cpu"
+    verify_len = args.verify_len or (CPU_VERIFY_LEN if on_cpu else None)
     for i, item in enumerate(items):
         ids = target.encode_chat(item["messages"])
         try:
@@ -75,7 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             res = generate_ar(target.model, ids, args.max_new_tokens, target.eos_ids, args.temperature, args.seed)
         else:
             res = generate_dflash(target.model, drafter, ids, args.max_new_tokens, target.eos_ids, args.temperature,
-                                  args.seed, verify_len=args.verify_len)
+                                  args.seed, verify_len=verify_len)
         text = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         if args.json:
             print(json.dumps({
@@ -216,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (still lossless)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--verify-len", type=int, default=None, help="tokens per verification incl. the anchor (default: block size)")
+    g.add_argument("--verify-len", type=int, default=None,
+                   help=f"tokens per verification incl. the anchor (default: {CPU_VERIFY_LEN} on a CPU, where verifying "
+                        "drafts that are rejected costs time; the whole block on a GPU)")
     g.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
     g.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter directory (config.json + model.safetensors)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],

@@ -35,6 +35,12 @@ def test_generate_json_both_methods_agree(tiny_hf_dir, tiny_drafter_dir, tmp_pat
         for key in ("output_ids", "text", "tau", "target_forwards", "wall_s"):
             assert key in s
     assert ar_rows[0]["domain"] == "math" and ar_rows[0]["target_forwards"] == len(ar_rows[0]["output_ids"])
+    code, v2_out, _ = run(common + ["--method", "dflash", "--verify-len", "2"], capsys)  # anchor + 1 draft per round
+    v2_rows = [json.loads(x) for x in v2_out.splitlines()]
+    assert code == 0 and [r["output_ids"] for r in v2_rows] == [r["output_ids"] for r in ar_rows]
+    assert all(a is None for r in v2_rows for a in r["accept_by_position"][1:])
+    code, _, err = run(common + ["--method", "dflash", "--verify-len", "0"], capsys)
+    assert code == 2 and "--verify-len must be >= 1" in err
 
 
 @pytest.mark.parametrize("content, message", [
