@@ -275,14 +275,33 @@ def init_from_target(drafter: Drafter, target: Target) -> None:
     drafter.hidden_norm.weight.copy_(layers[min(deepest + 1, len(layers) - 1)].input_layernorm.weight.float())
 
 
-def save_checkpoint(engine, ckpt: Path, step: int) -> None:
-    """DeepSpeed state (optimizer, scheduler, for resuming) plus the weights as safetensors (for export)."""
+def save_checkpoint(engine, ckpt: Path, step: int, rank: int = 0) -> None:
+    """DeepSpeed state (optimizer, scheduler, for resuming; every rank takes part) plus the weights as
+    safetensors (for export; written by rank 0)."""
     from safetensors.torch import save_file
 
     tag = f"step{step}"
     engine.save_checkpoint(str(ckpt), tag=tag)
+    if rank != 0:
+        return
     state = {k: v.detach().contiguous() for k, v in engine.module.state_dict().items()}
     save_file(state, str(ckpt / tag / "drafter.safetensors"))
+
+
+def rank_batch(order: list[int], idx: int, per_rank: int, rank: int, world: int) -> list[int]:
+    """Sequences of step `idx` for this rank: the step's global batch (per_rank x world consecutive
+    entries of the epoch order) split by rank, so every rank trains on different sequences."""
+    start = (idx * world + rank) * per_rank
+    return order[start : start + per_rank]
+
+
+def agree(flag: bool, device: torch.device) -> bool:
+    """Rank 0's decision for all ranks (a time-limit stop taken by one rank alone would hang the rest)."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    torch.distributed.broadcast(t, 0)
+    return bool(t.item())
 
 
 def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
@@ -306,16 +325,17 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
     if (ckpt / "latest").exists():
         engine.load_checkpoint(str(ckpt))
     step = engine.global_steps
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     log_path = run_dir / "train_log.jsonl"
-    per_epoch = max(1, len(data) // tc.seqs_per_step)
+    per_epoch = max(1, len(data) // (tc.seqs_per_step * world))
     t0, started = time.perf_counter(), step
-    bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step")
+    bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=rank != 0)
     while step < tc.max_steps:
         epoch, idx = divmod(step, per_epoch)
         order = list(range(len(data)))
-        random.Random(tc.seed * 1_000_003 + epoch).shuffle(order)  # same order after a resume
-        rng = random.Random(tc.seed * 7919 + step)
-        batch = make_batch(data, order[idx * tc.seqs_per_step : (idx + 1) * tc.seqs_per_step], tc.anchors_per_seq, rng)
+        random.Random(tc.seed * 1_000_003 + epoch).shuffle(order)  # same order after a resume, on every rank
+        rng = random.Random(tc.seed * 7919 + step + 1_000_033 * rank)
+        batch = make_batch(data, rank_batch(order, idx, tc.seqs_per_step, rank, world), tc.anchors_per_seq, rng)
         batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if v is not None}
         if tc.features == "target":
             batch["feats"] = target_features(target, batch["tokens"], batch["lengths"])
@@ -325,21 +345,23 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
         engine.step()
         step = engine.global_steps
         rec = {"step": step, "epoch": epoch, "loss": round(loss.detach().item(), 4), "lr": engine.get_lr()[0], **metrics}
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        if rank == 0:  # rank 0's batch stands for the step in the log
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
         bar.update(1)
         if metrics:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{metrics['acc_pos1']:.2f}", acc_len=f"{metrics['acc_len']:.2f}")
-        timed_out = tc.time_limit_min is not None and time.perf_counter() - t0 > 60 * tc.time_limit_min
+        timed_out = agree(tc.time_limit_min is not None and time.perf_counter() - t0 > 60 * tc.time_limit_min, dev)
         if step % tc.save_every == 0 or step == tc.max_steps or timed_out:
-            save_checkpoint(engine, ckpt, step)
+            save_checkpoint(engine, ckpt, step, rank)
         if timed_out:
             print(f"[adaflash] time limit reached at step {step}; rerun the same command to resume")
             break
     bar.close()
     from adaflash.pipelines.plots import plot_training
 
-    plot_training(log_path, run_dir / "training.png")
+    if rank == 0:
+        plot_training(log_path, run_dir / "training.png")
     return {"steps": step, "steps_this_run": step - started, "seconds_this_run": round(time.perf_counter() - t0, 1),
             "sequences": len(data), "done": step >= tc.max_steps}
 
@@ -377,6 +399,9 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
     from adaflash.pipelines.evaluate import evaluate, write_report
     from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and set(stages) != {"train"}:
+        raise ValueError("under a multi-process launcher (WORLD_SIZE > 1) run only `--stage train`; run the other "
+                         "stages as one process before and after it")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)  # a run that reuses another's answers_dir starts at `train`
     prompts_dir = run_dir / "prompts"
@@ -411,6 +436,8 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
             summary[stage] = {d: {name: {"tau": round(v["tau"], 2), "speedup": round(v["speedup"], 2)}
                                   for name, v in r["variants"].items()} for d, r in report["domains"].items()}
         timings[stage] = round(time.perf_counter() - t0, 1)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {"seconds": timings, **summary}
     with open(run_dir / "stages.jsonl", "a") as f:
         f.write(json.dumps({"stages": timings, "summary": summary, "time": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     return {"seconds": timings, **summary}

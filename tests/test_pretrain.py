@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from adaflash.config import ConfigError, from_dict, load_config
+from adaflash.config import ConfigError, from_dict, load_config, to_dict
 from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, block_labels, run_stages
 
 
@@ -159,3 +162,40 @@ def test_init_from_target_copies_last_layers(tiny_hf_dir):
     torch.testing.assert_close(d.fc(feats), feats[..., -64:])
     with pytest.raises(ConfigError, match="init must be"):
         from_dict(PretrainConfig, {"drafter": {"init": "magic"}})
+
+
+def test_ranks_train_on_disjoint_sequences_and_launchers_run_train_only(tmp_path, monkeypatch):
+    """Under a launcher each rank takes its own slice of the step's global batch (world 1 = the plain
+    slice, so single-process resumes are unchanged); other stages refuse to run once per rank."""
+    from adaflash.pipelines.pretrain import rank_batch
+
+    order = list(range(40))
+    assert rank_batch(order, 2, 4, 0, 1) == order[8:12]
+    seen = [i for idx in range(5) for rank in range(2) for i in rank_batch(order, idx, 4, rank, 2)]
+    assert sorted(seen) == order  # 5 steps x 2 ranks x 4 = the whole epoch, each sequence once
+    assert rank_batch(order, 0, 4, 0, 2) != rank_batch(order, 0, 4, 1, 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = from_dict(PretrainConfig, {"run_dir": str(tmp_path / "run"), "drafter_out": str(tmp_path / "d")})
+    with pytest.raises(ValueError, match="run only `--stage train`"):
+        run_stages(cfg, ["prompts", "train"])
+
+
+def test_two_ranks_over_gloo_run_the_train_stage(tmp_path, tiny_hf_dir):
+    """The same `adaflash pretrain --stage train` under a launcher (torchrun, 2 CPU ranks over gloo):
+    both ranks step together, rank 0 logs and writes the exportable weights."""
+    import yaml
+
+    cfg = tiny_config(tmp_path, str(tiny_hf_dir), max_steps=3)
+    run_stages(cfg, ["prompts", "regenerate"])
+    path = tmp_path / "pretrain.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "adaflash.cli", "pretrain", "--config", str(path), "--stage", "train"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]  # one line per step: rank 0 only
+    assert (tmp_path / "run" / "checkpoints" / "step3" / "drafter.safetensors").exists()
+    run_stages(cfg, ["export"])
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["training"]["steps"] == 3
