@@ -295,13 +295,14 @@ def rank_batch(order: list[int], idx: int, per_rank: int, rank: int, world: int)
     return order[start : start + per_rank]
 
 
-def agree(flag: bool, device: torch.device) -> bool:
-    """Rank 0's decision for all ranks (a time-limit stop taken by one rank alone would hang the rest)."""
+def from_rank0(obj):
+    """Rank 0's value of `obj` on every rank (a decision one rank took alone, such as a time-limit
+    stop, would leave the others waiting in the next collective)."""
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        return flag
-    t = torch.tensor([float(flag)], device=device)
-    torch.distributed.broadcast(t, 0)
-    return bool(t.item())
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
@@ -351,7 +352,7 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
         bar.update(1)
         if metrics:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{metrics['acc_pos1']:.2f}", acc_len=f"{metrics['acc_len']:.2f}")
-        timed_out = agree(tc.time_limit_min is not None and time.perf_counter() - t0 > 60 * tc.time_limit_min, dev)
+        timed_out = from_rank0(tc.time_limit_min is not None and time.perf_counter() - t0 > 60 * tc.time_limit_min)
         if step % tc.save_every == 0 or step == tc.max_steps or timed_out:
             save_checkpoint(engine, ckpt, step, rank)
         if timed_out:

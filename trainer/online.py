@@ -50,6 +50,7 @@ from adaflash.config import to_dict
 from adaflash.drafter import Drafter, load_drafter
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, load_length_head, save_length_head
 from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
+from adaflash.pipelines.pretrain import from_rank0, init_distributed
 from adaflash.registry import load_version
 from adaflash.target import load_target
 from adaflash.trainer.config import LossSection, OnlineConfig
@@ -189,7 +190,6 @@ class OnlineTrainer:
         import deepspeed
         import torch.distributed as dist
 
-        from adaflash.pipelines.pretrain import init_distributed
 
         self.cfg, self.log = cfg, log
         self.ckpt = Path(cfg.checkpoint.dir)
@@ -281,13 +281,6 @@ class OnlineTrainer:
         if self.world > 1:
             torch.distributed.barrier()
 
-    def _bcast(self, obj):
-        if self.world == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
     # ------------------------------------------------------------------ loop
 
     def run(self, max_rounds: int | None = None) -> int:
@@ -295,7 +288,7 @@ class OnlineTrainer:
         max_rounds = self.cfg.max_rounds if max_rounds is None else max_rounds
         done = 0
         while max_rounds == 0 or done < max_rounds:
-            names = self._bcast(self._take_round() if self.rank == 0 else None)
+            names = from_rank0(self._take_round() if self.rank == 0 else None)
             if names is None:
                 time.sleep(self.cfg.buffer.poll_interval_s)
                 continue
@@ -313,7 +306,7 @@ class OnlineTrainer:
             version = self.registry.champion()
             if version is not None and version != self.state["champion"] and version not in self._refused:
                 moved = (version, str(self.registry.download(version, self.ckpt / "download")))
-        moved = self._bcast(moved)
+        moved = from_rank0(moved)
         if moved is None:
             return
         version, path = moved
@@ -335,7 +328,7 @@ class OnlineTrainer:
             _write_json_atomic(self.state_path, self.state)
             shutil.rmtree(path, ignore_errors=True)
             self._cleanup()
-        self.state = self._bcast(self.state)
+        self.state = from_rank0(self.state)
 
     def _take_round(self) -> list[str] | None:
         """The oldest polled shards holding >= min_new_rounds verification rounds, or None (keep waiting)."""
