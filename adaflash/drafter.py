@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, frozen_linear, prepack
+from adaflash.layers import DecoderLayer, RMSNorm, Rotary, frozen_linear, prepack
 from adaflash.target import KVCache, TargetModel
 
 WEIGHTS = "model.safetensors"
@@ -303,5 +303,5 @@ def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: s
     dtype = resolve_dtype(dtype) if isinstance(dtype, str) else (dtype or target.dtype)
     drafter = drafter.to(dtype).eval().requires_grad_(False)
     drafter.attach(target, dtype)
-    prepack(drafter, *([drafter.lm_head] if isinstance(drafter.lm_head, Linear) else []))
+    prepack(drafter, drafter.lm_head)  # the shared LM head (already packed with the target) or its dtype copy
     return drafter

@@ -76,9 +76,12 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], out.shape[-1])  # [..., out]
 
     def _packable(self, x: torch.Tensor) -> bool:
-        w = self.weight
-        return (not torch.is_grad_enabled() and x.device.type == "cpu" and w.device.type == "cpu"
-                and x.dtype == w.dtype and w.dtype in PACKED_DTYPES)
+        return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and self._packs())
+
+    def _packs(self) -> bool:
+        """Whether this weight has a packed CPU form at all (CPU, a dtype oneDNN runs here)."""
+        return self.weight.device.type == "cpu" and self.weight.dtype in PACKED_DTYPES
 
     def _packed(self) -> torch.Tensor:
         w = self.weight
@@ -94,7 +97,7 @@ def prepack(*modules: nn.Module) -> None:
     drafter loaded by the hot-swap thread), not in the first engine step that uses them."""
     for module in modules:
         for m in module.modules():
-            if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype in PACKED_DTYPES:
+            if isinstance(m, Linear) and m._packs():
                 m._packed()
 
 
