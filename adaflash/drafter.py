@@ -116,10 +116,10 @@ class Drafter(nn.Module):
         """[B, T, n*H] target-layer features -> [B, T, H] context features."""
         return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
 
-    def block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
-        """[...] anchor ids -> [..., K, H] embeddings of [anchor, MASK x (K-1)]."""
+    def block_input(self, anchor_tokens: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """[...] anchor ids -> [..., L, H] embeddings of [anchor, MASK x (L-1)], L = length or K."""
         first = self.embed(anchor_tokens).to(self.mask_embedding.dtype)[..., None, :]
-        masks = self.mask_embedding.expand(*anchor_tokens.shape, self.block_size - 1, -1)
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, (length or self.block_size) - 1, -1)
         return torch.cat([first, masks], dim=-2)
 
     @torch.no_grad()
@@ -183,27 +183,42 @@ class Drafter(nn.Module):
                 a += n
 
     @torch.no_grad()
-    def draft_many(self, caches: list[KVCache], last_tokens: torch.Tensor) -> torch.Tensor:
+    def draft_many(self, caches: list[KVCache], last_tokens: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """Ragged batch of `draft`: one block per request, each attending to its own context cache.
-        last_tokens [R] -> final block hidden states [R, K, H]. No logits: the engine asks `logits` only
-        for the positions it will verify (the LM head over 15 positions costs ~3 target token-forwards)."""
-        k_blk = self.block_size
-        x = self.block_input(last_tokens)  # [R, K, H]
-        positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk, device=x.device)  # [R, K]
+        last_tokens [R] -> final block hidden states [R, L, H]. No logits: the engine asks `logits` only
+        for the positions it will verify (the LM head over 15 positions costs ~3 target token-forwards).
+        `length` L <= K drafts a shorter block [anchor, MASK x (L-1)] when the engine already knows it
+        verifies at most L tokens: the block's compute is ~all of the pass (linears over R*L rows;
+        at 32 requests 176 ms for L = 16, 75 ms for L = 4), and the first drafts barely change (the
+        block is bidirectional, but the masks beyond the verified positions carry no token).
+        Attention runs batched: each layer copies the requests' context K/V into one zero-padded
+        [R, Hkv, S + K, D] buffer (S = the longest context) and masks the padding, instead of a Python
+        loop of per-request attention calls (at 32 requests the loop cost ~70 of the pass's ~190 ms)."""
+        k_blk, r = min(length or self.block_size, self.block_size), len(caches)
+        x = self.block_input(last_tokens, k_blk)  # [R, L, H]
+        dev = x.device
+        positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk, device=dev)  # [R, K]
         cos, sin = self.rotary(positions, x.dtype)
-        ones = torch.ones(1, k_blk, dtype=torch.bool, device=x.device)
-        masks = [torch.cat([c.valid[:, : c.length], ones], dim=1)[:, None, None] for c in caches]  # [1, 1, 1, n_i + K]
+        lens = [c.length for c in caches]
+        s = max(lens)
+        mask = torch.ones(r, s + k_blk, dtype=torch.bool, device=dev)  # [R, S + K]: context slots, then the block
+        for i, (c, n) in enumerate(zip(caches, lens)):
+            mask[i, :n] = c.valid[0, :n]
+            mask[i, n:s] = False  # padding
+        mask = mask[:, None, None]  # [R, 1, 1, S + K]: no causal mask inside the block
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.project_q(h, cos, sin)  # [R, Hq, K, D]
             kb, vb = attn.project_kv(h, cos, sin)  # [R, Hkv, K, D]
-            outs = []
-            for i, c in enumerate(caches):
-                k = torch.cat([c.k[li][:, :, : c.length], kb[i : i + 1]], dim=2)
-                v = torch.cat([c.v[li][:, :, : c.length], vb[i : i + 1]], dim=2)
-                outs.append(attn.attend_heads(q[i : i + 1], k, v, masks[i]))
-            x = x + attn.o_proj(torch.cat(outs, dim=0))
+            k = kb.new_zeros(r, kb.shape[1], s + k_blk, kb.shape[3])  # [R, Hkv, S + K, D]
+            v = torch.zeros_like(k)
+            for i, (c, n) in enumerate(zip(caches, lens)):
+                k[i, :, :n] = c.k[li][0, :, :n]
+                v[i, :, :n] = c.v[li][0, :, :n]
+            k[:, :, s:] = kb
+            v[:, :, s:] = vb
+            x = x + attn.attend(q, k, v, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

@@ -1,7 +1,8 @@
 """Continuous-batching speculative engine (no HTTP, no tokenizer).
 
 Each `step()` admits waiting requests (prefill packed into one forward), drafts one block per
-running request (one drafter pass for all), lets the verify-length policy choose how many tokens
+running request (one drafter pass for all; only as many block positions as a fixed or EMA policy
+will verify, the whole block for the length head, which reads it), lets the verify-length policy choose how many tokens
 each request verifies, verifies all of them in ONE packed target forward (ragged: no padding to
 the longest), commits accepted + 1 per request and retires finished requests. Requests join and
 leave between steps. Greedy output equals single-request output; sampling is lossless.
@@ -99,6 +100,11 @@ class VerifyPolicy(ABC):
     def observe(self, states: list[RequestState], accepted: list[int]) -> None:
         """Called after verification with each request's accepted draft count."""
 
+    def draft_len(self, k_blk: int) -> int:
+        """Block positions to draft this step: a policy that knows its lengths before drafting asks
+        for no more than it verifies; one that reads the drafted block (the length head) needs all K."""
+        return k_blk
+
 
 class FixedPolicy(VerifyPolicy):
     """Always verify k tokens (DFlash: k = block size)."""
@@ -107,7 +113,10 @@ class FixedPolicy(VerifyPolicy):
         self.k, self.name = k, f"fixed{k or ''}"
 
     def lengths(self, states, hidden, k_blk):
-        return [min(self.k or k_blk, k_blk)] * len(states), [float("nan")] * len(states)
+        return [self.draft_len(k_blk)] * len(states), [float("nan")] * len(states)
+
+    def draft_len(self, k_blk):
+        return min(self.k or k_blk, k_blk)
 
 
 class ARPolicy(VerifyPolicy):
@@ -128,8 +137,10 @@ class EMAPolicy(VerifyPolicy):
         self.alpha, self.rate, self.min_len, self.ema = alpha, rate, min_len, init
 
     def lengths(self, states, hidden, k_blk):
-        n = max(self.min_len, min(k_blk, round((self.ema + 1) * self.rate)))
-        return [n] * len(states), [float("nan")] * len(states)
+        return [self.draft_len(k_blk)] * len(states), [float("nan")] * len(states)
+
+    def draft_len(self, k_blk):
+        return max(self.min_len, min(k_blk, round((self.ema + 1) * self.rate)))
 
     def observe(self, states, accepted):
         if accepted:
@@ -305,7 +316,7 @@ class Engine:
         if self.policy.drafts:
             hidden = [None] * len(active)
             for slot, idx in groups:
-                hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx])  # [r, K, H]
+                hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx], self.policy.draft_len(k_blk))  # [r, L, H]
                 gl, gp = self.policy.lengths([active[i] for i in idx], hd, k_blk)
                 for j, i in enumerate(idx):
                     hidden[i], lens[i], preds[i] = hd[j], gl[j], gp[j]

@@ -105,3 +105,24 @@ def test_ragged_batch_methods_match_single_request_ones():
         ref_logits, ref_h = drafter.draft(c, last[i : i + 1])
         torch.testing.assert_close(logits[i], ref_logits[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(h[i], ref_h[0], atol=1e-4, rtol=1e-4)
+
+
+def test_truncated_ragged_block_matches_a_drafter_with_that_block_size():
+    """draft_many(length=L) drafts [anchor, MASK x (L-1)]: the same states as the single-request
+    path of a drafter whose block is L (same weights), and length=K is the full block."""
+    target = tiny_target(3)
+    drafter = tiny_drafter(target, 4)
+    seqs = [torch.randint(0, 64, (1, n)) for n in (6, 2, 11)]
+    feats = [target(s, target.new_cache(1))[1] for s in seqs]
+    caches = [drafter.new_cache(1) for _ in seqs]
+    drafter.extend_many([f[0, :-1] for f in feats], caches)
+    last = torch.stack([s[0, -1] for s in seqs])
+    full = drafter.draft_many(caches, last)
+    torch.testing.assert_close(drafter.draft_many(caches, last, drafter.block_size), full)
+    h = drafter.draft_many(caches, last, 3)  # [R, 3, H]
+    assert h.shape == (3, 3, full.shape[-1])
+    drafter.config.block_size = 3  # the same weights as a drafter trained with blocks of 3
+    for i, c in enumerate(caches):
+        _, ref = drafter.draft(c, last[i : i + 1])
+        torch.testing.assert_close(h[i], ref[0], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(h[:, :3], full[:, :3], atol=1e-4)  # the masks beyond the block do matter a little

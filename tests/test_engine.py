@@ -44,6 +44,30 @@ def test_batched_greedy_equals_single_and_plain(policy_name):
             assert [rd.accepted for rd in s.rounds] == sd.accepted_per_round
 
 
+def test_policies_that_know_their_length_draft_only_that_much(monkeypatch):
+    """fixedK and EMA know each step's verify length before drafting and ask for a block that long;
+    the length head reads the drafted block and so needs all K positions."""
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    seen = []
+    real = drafter.draft_many
+
+    def spy(caches, last, length=None):
+        h = real(caches, last, length)
+        seen.append((length, h.shape[1]))
+        return h
+
+    monkeypatch.setattr(drafter, "draft_many", spy)
+    for policy, want in [(FixedPolicy(3), {3}), (FixedPolicy(), {drafter.block_size}), (head_policy(drafter), {drafter.block_size})]:
+        seen.clear()
+        Engine(target, drafter, policy, eos_ids=[5], max_batch=3).run(make_requests(4, 3))
+        assert {n for n, _ in seen} == want and all(n == got for n, got in seen), policy.name
+    ema = EMAPolicy(init=1.0)  # (1 + 1) * 1.3 -> verify 3, rising with acceptance
+    seen.clear()
+    Engine(target, drafter, ema, eos_ids=[5], max_batch=3).run(make_requests(4, 3))
+    assert seen[0] == (3, 3) and all(n == got <= drafter.block_size for n, got in seen)
+
+
 def test_batched_sampling_equals_single_request_sampling():
     target = tiny_target(7, vocab=64, std=0.15)
     drafter = tiny_drafter(target, 7)
