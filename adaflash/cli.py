@@ -189,8 +189,10 @@ def cmd_fit_head(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     prompts = _bench_prompts(args, target)
     ids = [p.ids for ps in prompts.values() for p in ps]
+    if args.draft_len is not None and not 2 <= args.draft_len <= drafter.block_size:
+        raise UsageError(f"--draft-len must be in [2, {drafter.block_size}] (the drafter's block size), got {args.draft_len}")
     metrics = fit_head(target.model, drafter, Path(args.drafter), ids, args.max_new_tokens, args.concurrency,
-                       target.eos_ids, args.epochs, args.lr)
+                       target.eos_ids, args.epochs, args.lr, draft_len=args.draft_len)
     print(json.dumps(metrics, indent=2))
     return 0
 
@@ -262,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--concurrency", type=int, default=8)
     f.add_argument("--epochs", type=int, default=30)
     f.add_argument("--lr", type=float, default=2e-4)
+    f.add_argument("--draft-len", type=int, default=None,
+                   help="fit the head on blocks of this many positions (anchor + drafts; default the drafter's "
+                        "block size): serving then drafts and verifies at most that many. The online trainer "
+                        "trains whole-block heads only")
     _add_prompt_args(f, "train", 64)
     f.set_defaults(func=cmd_fit_head)
 

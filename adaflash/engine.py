@@ -2,7 +2,7 @@
 
 Each `step()` admits waiting requests (prefill packed into one forward), drafts one block per
 running request (one drafter pass for all; only as many block positions as a fixed or EMA policy
-will verify, the whole block for the length head, which reads it), lets the verify-length policy choose how many tokens
+will verify; the length head reads the block, so as many as the block it was fitted on), lets the verify-length policy choose how many tokens
 each request verifies, verifies all of them in ONE packed target forward (ragged: no padding to
 the longest), commits accepted + 1 per request and retires finished requests. Requests join and
 leave between steps. Greedy output equals single-request output; sampling is lossless.
@@ -100,9 +100,10 @@ class VerifyPolicy(ABC):
     def observe(self, states: list[RequestState], accepted: list[int]) -> None:
         """Called after verification with each request's accepted draft count."""
 
-    def draft_len(self, k_blk: int) -> int:
+    def draft_len(self, k_blk: int, head=None) -> int:
         """Block positions to draft this step: a policy that knows its lengths before drafting asks
-        for no more than it verifies; one that reads the drafted block (the length head) needs all K."""
+        for no more than it verifies; the length head reads the drafted block, so it gets the block
+        length it was fitted on (`head`: the live slot's head)."""
         return k_blk
 
 
@@ -115,7 +116,7 @@ class FixedPolicy(VerifyPolicy):
     def lengths(self, states, hidden, k_blk):
         return [self.draft_len(k_blk)] * len(states), [float("nan")] * len(states)
 
-    def draft_len(self, k_blk):
+    def draft_len(self, k_blk, head=None):
         return min(self.k or k_blk, k_blk)
 
 
@@ -139,7 +140,7 @@ class EMAPolicy(VerifyPolicy):
     def lengths(self, states, hidden, k_blk):
         return [self.draft_len(k_blk)] * len(states), [float("nan")] * len(states)
 
-    def draft_len(self, k_blk):
+    def draft_len(self, k_blk, head=None):
         return max(self.min_len, min(k_blk, round((self.ema + 1) * self.rate)))
 
     def observe(self, states, accepted):
@@ -155,6 +156,9 @@ class HeadPolicy(VerifyPolicy):
     def __init__(self, head):
         self.head = head
 
+    def draft_len(self, k_blk, head=None):
+        return min((head or self.head).config.block_size, k_blk)  # a head fitted on L-blocks reads L-blocks
+
     def lengths(self, states, hidden, k_blk):
         from adaflash.length_head import verify_length
 
@@ -162,7 +166,7 @@ class HeadPolicy(VerifyPolicy):
         c = head.config
         with torch.no_grad():
             pred = head(hidden.float())  # [R]
-        lens = verify_length(pred, k_blk, c.rate, c.min_len)
+        lens = verify_length(pred, min(c.block_size, k_blk), c.rate, c.min_len)
         return lens.tolist(), pred.tolist()
 
 
@@ -316,7 +320,7 @@ class Engine:
         if self.policy.drafts:
             hidden = [None] * len(active)
             for slot, idx in groups:
-                hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx], self.policy.draft_len(k_blk))  # [r, L, H]
+                hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx], self.policy.draft_len(k_blk, slot.head))  # [r, L, H]
                 gl, gp = self.policy.lengths([active[i] for i in idx], hd, k_blk)
                 for j, i in enumerate(idx):
                     hidden[i], lens[i], preds[i] = hd[j], gl[j], gp[j]

@@ -51,3 +51,23 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert fixed["speedup_vs_ar"] == ratios[1]
     assert "3 repeats per cell" in (tmp_path / "b3" / "report.md").read_text()
     assert main(["bench", *common, "--repeats", "0"]) == 2
+
+
+def test_fit_head_on_a_shorter_block_then_serve_it(tiny_hf_dir, tiny_drafter_dir, tmp_path):
+    """`fit-head --draft-len L` fits the head on L-position blocks; the head policy then drafts and
+    verifies at most L, still committing plain decoding's greedy tokens. Out-of-range L is a usage error."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count {i} apples and {i} pears."}) + "\n" for i in range(5)))
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_drafter_dir, drafter)
+    common = ["--target", str(tiny_hf_dir), "--drafter", str(drafter), "--prompts-file", str(prompts), "--max-new-tokens", "10"]
+    k = json.loads((drafter / "config.json").read_text())["block_size"]
+    assert main(["fit-head", *common, "--draft-len", str(k + 1)]) == 2
+    assert main(["fit-head", *common, "--draft-len", "3", "--concurrency", "2", "--epochs", "2"]) == 0
+    meta = json.loads((drafter / "length_head.json").read_text())
+    assert meta["config"]["block_size"] == 3 and meta["metrics"]["rounds"] > 0
+    out = tmp_path / "bench"
+    assert main(["bench", *common, "--methods", "ar,head", "--concurrency", "2", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert rows["head"]["committed_tokens"] == rows["ar"]["committed_tokens"]
+    assert rows["head"]["max_step_tokens"] <= 2 * 3

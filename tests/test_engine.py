@@ -46,7 +46,7 @@ def test_batched_greedy_equals_single_and_plain(policy_name):
 
 def test_policies_that_know_their_length_draft_only_that_much(monkeypatch):
     """fixedK and EMA know each step's verify length before drafting and ask for a block that long;
-    the length head reads the drafted block and so needs all K positions."""
+    the length head reads the drafted block, so it drafts the block length it was fitted on."""
     target = tiny_target(6)
     drafter = tiny_drafter(target, 6)
     seen = []
@@ -58,7 +58,9 @@ def test_policies_that_know_their_length_draft_only_that_much(monkeypatch):
         return h
 
     monkeypatch.setattr(drafter, "draft_many", spy)
-    for policy, want in [(FixedPolicy(3), {3}), (FixedPolicy(), {drafter.block_size}), (head_policy(drafter), {drafter.block_size})]:
+    short_head = HeadPolicy(LengthHead(LengthHeadConfig(hidden_size=64, inner=16, block_size=3, min_len=1)))
+    for policy, want in [(FixedPolicy(3), {3}), (FixedPolicy(), {drafter.block_size}), (head_policy(drafter), {drafter.block_size}),
+                         (short_head, {3})]:
         seen.clear()
         Engine(target, drafter, policy, eos_ids=[5], max_batch=3).run(make_requests(4, 3))
         assert {n for n, _ in seen} == want and all(n == got for n, got in seen), policy.name

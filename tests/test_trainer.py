@@ -451,3 +451,18 @@ def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monk
     assert wa.keys() == wb.keys()
     for k in wb:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_head_fitted_on_shorter_blocks_is_refused_with_what_to_do(tmp_path, served, mlflow_server, tiny_hf_dir,
+                                                                    tiny_drafter_dir):
+    """`fit-head --draft-len` heads read L-blocks; the online trainer trains whole-block heads, so it
+    says so instead of training one on features it was not fitted on."""
+    from adaflash.length_head import LengthHead, LengthHeadConfig, save_length_head
+
+    start = tmp_path / "start"
+    shutil.copytree(tiny_drafter_dir, start)
+    hidden = json.loads((start / "config.json").read_text())["hidden_size"]
+    save_length_head(LengthHead(LengthHeadConfig(hidden_size=hidden, block_size=3)), start, {})
+    cfg = load_config(trainer_config(tmp_path, served, mlflow_server, tiny_hf_dir, start, "short-head"), OnlineConfig)
+    with pytest.raises(ValueError, match="reads blocks of 3 positions.*without --draft-len"):
+        OnlineTrainer(cfg, log=lambda _: None)

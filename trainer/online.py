@@ -214,6 +214,10 @@ class OnlineTrainer:
         fresh = not self.state_path.exists()
         drafter = load_drafter(self.ckpt / "init", self.target.model, self.target.identity, torch.float32)
         head = load_length_head(self.ckpt / "init", drafter.config.hidden_size)
+        if head.config.block_size != drafter.block_size:
+            raise ValueError(f"the length head in {self.ckpt / 'init'} reads blocks of {head.config.block_size} positions "
+                             f"(fit-head --draft-len) but the online trainer trains heads on the drafter's whole "
+                             f"{drafter.block_size}-blocks: start from a whole-block head (adaflash fit-head without --draft-len)")
         frozen = cfg.loss.kind == "head"  # only the length head learns; the drafter is served as it is
         model = OnlineModel(drafter.requires_grad_(not frozen), head.requires_grad_(True))
         groups = [] if frozen else [{"params": list(drafter.parameters()), "lr": cfg.train.lr}]
