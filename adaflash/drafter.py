@@ -192,26 +192,26 @@ class Drafter(nn.Module):
         at 32 requests 176 ms for L = 16, 75 ms for L = 4), and the first drafts barely change (the
         block is bidirectional, but the masks beyond the verified positions carry no token).
         Attention runs batched: each layer copies the requests' context K/V into one zero-padded
-        [R, Hkv, S + K, D] buffer (S = the longest context) and masks the padding, instead of a Python
-        loop of per-request attention calls (at 32 requests the loop cost ~70 of the pass's ~190 ms)."""
+        [R, Hkv, S + L, D] buffer (S = the longest context) and masks the padding, instead of a Python
+        loop of per-request attention calls (at 32 requests 191 -> 176 ms for L = 16)."""
         k_blk, r = min(length or self.block_size, self.block_size), len(caches)
         x = self.block_input(last_tokens, k_blk)  # [R, L, H]
         dev = x.device
-        positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk, device=dev)  # [R, K]
+        positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk, device=dev)  # [R, L]
         cos, sin = self.rotary(positions, x.dtype)
         lens = [c.length for c in caches]
         s = max(lens)
-        mask = torch.ones(r, s + k_blk, dtype=torch.bool, device=dev)  # [R, S + K]: context slots, then the block
+        mask = torch.ones(r, s + k_blk, dtype=torch.bool, device=dev)  # [R, S + L]: context slots, then the block
         for i, (c, n) in enumerate(zip(caches, lens)):
             mask[i, :n] = c.valid[0, :n]
             mask[i, n:s] = False  # padding
-        mask = mask[:, None, None]  # [R, 1, 1, S + K]: no causal mask inside the block
+        mask = mask[:, None, None]  # [R, 1, 1, S + L]: no causal mask inside the block
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.project_q(h, cos, sin)  # [R, Hq, K, D]
-            kb, vb = attn.project_kv(h, cos, sin)  # [R, Hkv, K, D]
-            k = kb.new_zeros(r, kb.shape[1], s + k_blk, kb.shape[3])  # [R, Hkv, S + K, D]
+            q = attn.project_q(h, cos, sin)  # [R, Hq, L, D]
+            kb, vb = attn.project_kv(h, cos, sin)  # [R, Hkv, L, D]
+            k = kb.new_zeros(r, kb.shape[1], s + k_blk, kb.shape[3])  # [R, Hkv, S + L, D]
             v = torch.zeros_like(k)
             for i, (c, n) in enumerate(zip(caches, lens)):
                 k[i, :, :n] = c.k[li][0, :, :n]

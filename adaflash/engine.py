@@ -1,11 +1,12 @@
 """Continuous-batching speculative engine (no HTTP, no tokenizer).
 
 Each `step()` admits waiting requests (prefill packed into one forward), drafts one block per
-running request (one drafter pass for all; only as many block positions as a fixed or EMA policy
-will verify; the length head reads the block, so as many as the block it was fitted on), lets the verify-length policy choose how many tokens
-each request verifies, verifies all of them in ONE packed target forward (ragged: no padding to
-the longest), commits accepted + 1 per request and retires finished requests. Requests join and
-leave between steps. Greedy output equals single-request output; sampling is lossless.
+running request (one drafter pass for all; a fixed or EMA policy drafts only the positions it will
+verify, the length head the block length it was fitted on, since it reads the block), lets the
+verify-length policy choose how many tokens each request verifies, verifies all of them in ONE
+packed target forward (ragged: no padding to the longest), commits accepted + 1 per request and
+retires finished requests. Requests join and leave between steps. Greedy output equals
+single-request output; sampling is lossless.
 
 Admission is bounded by a token budget per step: an exponential moving average of each request's
 recent verify lengths estimates its next demand, and verify lengths are trimmed if a step would
