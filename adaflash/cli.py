@@ -181,16 +181,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_fit_head(args: argparse.Namespace) -> int:
-    from adaflash.drafter import load_drafter
+    from adaflash.drafter import load_drafter, load_drafter_config
     from adaflash.pipelines.fit_head import fit_head
     from adaflash.target import load_target
 
+    if args.draft_len is not None:  # checked before the target loads: a bad value fails at once
+        k_blk = load_drafter_config(Path(args.drafter)).block_size
+        if not 2 <= args.draft_len <= k_blk:
+            raise UsageError(f"--draft-len must be in [2, {k_blk}] (the drafter's block size), got {args.draft_len}")
     target = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     prompts = _bench_prompts(args, target)
     ids = [p.ids for ps in prompts.values() for p in ps]
-    if args.draft_len is not None and not 2 <= args.draft_len <= drafter.block_size:
-        raise UsageError(f"--draft-len must be in [2, {drafter.block_size}] (the drafter's block size), got {args.draft_len}")
     metrics = fit_head(target.model, drafter, Path(args.drafter), ids, args.max_new_tokens, args.concurrency,
                        target.eos_ids, args.epochs, args.lr, draft_len=args.draft_len)
     print(json.dumps(metrics, indent=2))

@@ -167,7 +167,7 @@ class HeadPolicy(VerifyPolicy):
         c = head.config
         with torch.no_grad():
             pred = head(hidden.float())  # [R]
-        lens = verify_length(pred, min(c.block_size, k_blk), c.rate, c.min_len)
+        lens = verify_length(pred, self.draft_len(k_blk, head), c.rate, c.min_len)  # at most the drafted block
         return lens.tolist(), pred.tolist()
 
 
