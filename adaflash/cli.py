@@ -4,6 +4,7 @@
   adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
   adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
   adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, transformers peers)
+  adaflash draft-vocab  draft from the tokens the target emits (smaller draft LM head)
 """
 
 from __future__ import annotations
@@ -139,13 +140,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import platform
 
     from adaflash.drafter import load_drafter
-    from adaflash.pipelines.bench import ENGINE_METHODS, HF_METHODS, bench, write_bench
+    from adaflash.pipelines.bench import ENGINE_METHODS, FULL_VOCAB, HF_METHODS, bench, known_method, write_bench
     from adaflash.target import load_target
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ENGINE_METHODS + HF_METHODS and not (m.startswith("fixed") and m[5:].isdigit())]
+    bad = [m for m in methods if not known_method(m)]
     if bad:
-        raise UsageError(f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK")
+        raise UsageError(f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK, "
+                         "or a drafting method + '-fullvocab'")
     try:
         concurrency = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
@@ -155,7 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     target = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     head = None
-    if "head" in methods:
+    if any(m.removesuffix(FULL_VOCAB) == "head" for m in methods):
         from adaflash.length_head import load_length_head
 
         if not (Path(args.drafter) / "length_head.json").exists():
@@ -246,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="compare methods side by side in one run (tokens/s, tau, speedup, latency)",
                        description="Runs every method on the same prompts, interleaved per cell; writes results.json, "
                                    "report.md and PNG plots into --out.")
-    b.add_argument("--methods", default="ar,fixed,ema,head,hf,hf-pld", help="ar, fixed, fixedK, ema, head, hf, hf-pld")
+    b.add_argument("--methods", default="ar,fixed,ema,head,hf,hf-pld",
+                   help="ar, fixed, fixedK, ema, head, hf, hf-pld; a drafting method + '-fullvocab' (head-fullvocab) "
+                        "ignores the drafter's draft vocabulary")
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--token-budget", type=int, default=512, help="max verify tokens per engine step (admission bound)")
@@ -281,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that live beside their component: each module has register(subparsers), which adds one
 # or more subparsers with set_defaults(func=...) (the func returns an exit code, raises UsageError).
 COMMAND_MODULES: list[str] = ["adaflash.registry_cli", "adaflash.server.cli", "adaflash.loadgen", "adaflash.up", "adaflash.trainer.cli",
-                              "adaflash.pipelines.experiment_cli"]
+                              "adaflash.pipelines.experiment_cli", "adaflash.pipelines.draft_vocab"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,13 @@ from block tokens only, so the context never enters the residual stream. The blo
 [last committed token, MASK x (K-1)], attention inside it is bidirectional, and the target's own
 (frozen, shared, not saved) embedding and LM head turn block positions 1..K-1 into K-1 draft tokens.
 The drafter's cache keeps context K/V only; the block's K/V are recomputed each round.
+
+Draft vocabulary: drafts may come from a subset of the target's vocabulary (the tokens the target
+actually emits, `adaflash draft-vocab`), stored beside the weights as `draft_vocab.safetensors`. The
+LM head is then those rows of the target's head only (SmolLM2: 8,192 of 49,152 rows), which is most
+of the drafting cost on a CPU. Verification still uses the target's full vocabulary, so output is
+unchanged (greedy) or still the target's distribution (sampling: q is zero outside the subset); a
+token outside the subset just cannot be drafted. Training always uses the full head.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from adaflash.target import KVCache, TargetModel
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+DRAFT_VOCAB = "draft_vocab.safetensors"  # optional: {"ids": int64 [Vd]} sorted full-vocabulary ids
 
 
 @dataclass
@@ -86,6 +94,7 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(config.hidden_size) * 0.02)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.vocab: torch.Tensor | None = None  # [Vd] full ids of the draft vocabulary; None = all
         self.attach(target)
 
     def attach(self, target: TargetModel, dtype: torch.dtype | None = None) -> None:
@@ -103,6 +112,22 @@ class Drafter(nn.Module):
             embed, head = (lambda ids: F.embedding(ids, emb_w)), frozen_linear(head_w)
         self.__dict__["embed"] = embed
         self.__dict__["lm_head"] = head
+        self.vocab_size = target.config.vocab_size
+        self.set_vocab(self.vocab)
+
+    def set_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft from the full-vocabulary ids `ids` [Vd] only (None: from the whole vocabulary).
+        `draft_head` is then a frozen copy of those rows of the shared LM head."""
+        if ids is not None:
+            ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+            v = self.vocab_size
+            if ids.numel() == 0 or bool((ids < 0).any() or (ids >= v).any()) or bool((ids[1:] <= ids[:-1]).any()):
+                raise ValueError(f"a draft vocabulary must be sorted, unique, non-empty ids in [0, {v}), "
+                                 f"got {ids.numel()} ids: rebuild it with `adaflash draft-vocab`")
+            ids = ids.to(self.lm_head.weight.device)
+        self.vocab = ids
+        head = self.lm_head
+        self.__dict__["draft_head"] = head if ids is None else frozen_linear(head.weight.detach()[ids].contiguous())
 
     @property
     def block_size(self) -> int:
@@ -140,9 +165,10 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, cache: KVCache, last_token: torch.Tensor, n_logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over the block. last_token: [B]. Returns (draft logits [B, n, V] fp32 for block
-        positions 1..n, n = n_logits or K-1; final block hidden states [B, K, H] for the length head).
-        Asking only for the drafts that will be verified skips most of the LM head."""
+        """One forward over the block. last_token: [B]. Returns (draft logits [B, n, Vd] fp32 over the
+        draft vocabulary for block positions 1..n, n = n_logits or K-1; final block hidden states
+        [B, K, H] for the length head). Asking only for the drafts that will be verified skips most of
+        the LM head."""
         k_blk = self.block_size
         x = self.block_input(last_token)  # [B, K, H]
         positions = cache.next_pos[:, None] + torch.arange(k_blk, device=x.device)  # [B, K]: the anchor sits at next_pos
@@ -160,7 +186,7 @@ class Drafter(nn.Module):
             x = x + attn.attend(q, k, v, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = self.norm(x)
-        return self.lm_head(h[:, 1 : 1 + (n_logits or k_blk - 1)]).float(), h
+        return self.logits(h[:, 1 : 1 + (n_logits or k_blk - 1)]), h
 
     @torch.no_grad()
     def extend_many(self, feats: list[torch.Tensor], caches: list[KVCache]) -> None:
@@ -224,8 +250,14 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft logits for block hidden states h [..., H] -> [..., V] fp32."""
-        return self.lm_head(h).float()
+        """Draft logits for block hidden states h [..., H] -> [..., Vd] fp32 over the draft vocabulary
+        (column j is token `vocab[j]`; Vd = V and column j is token j without a draft vocabulary)."""
+        return self.draft_head(h).float()
+
+    def draft_ids(self, h: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts for block hidden states h [..., H] -> full-vocabulary ids [...]."""
+        j = self.draft_head(h).argmax(-1)
+        return j if self.vocab is None else self.vocab[j]
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Training forward over many blocks per sequence (DFlash recipe).
@@ -273,7 +305,12 @@ class Drafter(nn.Module):
         save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
         meta = {"architecture": "DFlashDrafter", "dtype": str(dtype).removeprefix("torch."), **asdict(self.config)}
         meta["n_params"] = sum(p.numel() for p in self.parameters())
+        meta["draft_vocab_size"] = None if self.vocab is None else self.vocab.numel()
         meta.update(extra or {})
+        if self.vocab is None:
+            (out_dir / DRAFT_VOCAB).unlink(missing_ok=True)  # the directory describes exactly this drafter
+        else:
+            save_file({"ids": self.vocab.cpu().contiguous()}, str(out_dir / DRAFT_VOCAB), metadata={"format": "pt"})
         (out_dir / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
         return out_dir
 
@@ -318,5 +355,14 @@ def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: s
     dtype = resolve_dtype(dtype) if isinstance(dtype, str) else (dtype or target.dtype)
     drafter = drafter.to(dtype).eval().requires_grad_(False)
     drafter.attach(target, dtype)
-    prepack(drafter, drafter.lm_head)  # the shared LM head (already packed with the target) or its dtype copy
+    want = json.loads((path / CONFIG).read_text()).get("draft_vocab_size")
+    if (path / DRAFT_VOCAB).exists():
+        ids = load_file(str(path / DRAFT_VOCAB)).get("ids")
+        if ids is None or (want is not None and ids.numel() != want):
+            raise ValueError(f"{path}/{DRAFT_VOCAB} does not hold the {want} ids config.json names: "
+                             "rebuild it with `adaflash draft-vocab`")
+        drafter.set_vocab(ids)
+    elif want:
+        raise FileNotFoundError(f"{path}/config.json names a draft vocabulary of {want} tokens but {DRAFT_VOCAB} is missing")
+    prepack(drafter, drafter.lm_head, drafter.draft_head)  # shared LM head (already packed with the target) or copies
     return drafter

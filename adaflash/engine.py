@@ -335,7 +335,8 @@ class Engine:
         for i, (s, n) in enumerate(zip(active, lens)):
             d, q = torch.zeros(0, dtype=torch.long, device=dev), None
             if n > 1:
-                d, q = propose(draft_logits[i][: n - 1], s.req.temperature, s.gen)  # [k], [k, V] or None
+                dr = s.slot.drafter
+                d, q = propose(draft_logits[i][: n - 1], s.req.temperature, s.gen, dr.vocab, dr.vocab_size)  # [k], [k, V] or None
             drafts.append(d)
             qs.append(q)
         inputs = [torch.cat([last[i : i + 1], d]) for i, d in enumerate(drafts)]
@@ -364,7 +365,7 @@ class Engine:
 
     @staticmethod
     def _draft_logits(groups, hidden: list[torch.Tensor], lens: list[int]) -> list[torch.Tensor | None]:
-        """Draft logits only for the positions each request verifies: hidden[i] [K, H] -> [lens[i]-1, V].
+        """Draft logits only for the positions each request verifies: hidden[i] [K, H] -> [lens[i]-1, Vd].
         One LM-head call per drafter over the packed rows."""
         out: list[torch.Tensor | None] = [None] * len(hidden)
         for slot, idx in groups:
@@ -373,7 +374,7 @@ class Engine:
                 continue
             rows = torch.cat([hidden[i][1 : lens[i]] for i in idx])  # [sum(len-1), H]
             for i, lg in zip(idx, slot.drafter.logits(rows).split([lens[i] - 1 for i in idx])):
-                out[i] = lg  # [lens[i]-1, V]
+                out[i] = lg  # [lens[i]-1, Vd] over the drafter's draft vocabulary
         return out
 
     @staticmethod

@@ -104,8 +104,8 @@ def generate_dflash(
         last = torch.tensor([out[-1]], device=dev)
         draft, q = torch.zeros(0, dtype=torch.long, device=dev), None
         if k > 0:
-            draft_logits, _ = drafter.draft(dcache, last, n_logits=k)  # [1, k, V]
-            draft, q = propose(draft_logits[0], temperature, gen)  # [k], [k, V] or None
+            draft_logits, _ = drafter.draft(dcache, last, n_logits=k)  # [1, k, Vd]
+            draft, q = propose(draft_logits[0], temperature, gen, drafter.vocab, drafter.vocab_size)  # [k], [k, V] or None
         logits, feats = model(torch.cat([last, draft])[None], tcache)  # [1, k+1, V]
         n, nxt = verify(draft, q, logits[0], temperature, gen)
         tcache.crop(tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay

@@ -71,12 +71,22 @@ def verify_sampling(
     return n, sample(residual, generator)
 
 
-def propose(draft_logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One request's drafts from its drafter logits [k, V] -> (draft [k], q [k, V] or None when greedy)."""
+def propose(draft_logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+            vocab: torch.Tensor | None = None, vocab_size: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One request's drafts from its drafter logits [k, Vd] -> (draft ids [k], q [k, V] or None when greedy).
+
+    `vocab` [Vd]: the full ids of the logits' columns when the drafter drafts from a subset of the
+    target's `vocab_size` tokens; q is then scattered back to the full vocabulary, zero outside the
+    subset, so the rejection rule sees a proper distribution over the target's vocabulary."""
     if temperature <= 0:
-        return draft_logits.argmax(-1), None
-    q = probs(draft_logits, temperature)
-    return torch.multinomial(q, 1, generator=generator)[:, 0], q
+        j = draft_logits.argmax(-1)
+        return (j if vocab is None else vocab[j]), None
+    q = probs(draft_logits, temperature)  # [k, Vd]
+    j = torch.multinomial(q, 1, generator=generator)[:, 0]
+    if vocab is None:
+        return j, q
+    full = q.new_zeros(q.shape[0], vocab_size).index_copy_(1, vocab, q)  # [k, V]
+    return vocab[j], full
 
 
 def verify(draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor, temperature: float,

@@ -4,7 +4,10 @@ Methods: `ar` (plain decoding through our engine), `fixed` (DFlash, verify the w
 `fixedK` (verify K), `ema` (one verify length per batch from an EMA of acceptance, SGLang's
 approach), `head` (AdaFlash length head, per request), and the transformers peers `hf`
 (`generate`, batched with left padding) and `hf-pld` (prompt-lookup assisted generation, which
-transformers runs one request at a time, so it is measured at concurrency 1 only). For every domain x concurrency cell the methods run in an
+transformers runs one request at a time, so it is measured at concurrency 1 only). A drafting method
+with the suffix `-fullvocab` (`fixed3-fullvocab`) runs with the drafter's draft vocabulary switched
+off, i.e. drafting from the target's whole vocabulary, to measure what the reduced draft LM head buys
+in the same run. For every domain x concurrency cell the methods run in an
 order rotated per cell, so machine noise hits all alike. Each cell keeps `concurrency` requests in
 flight until its prompts are done (a closed loop). With `repeats` > 1 each cell runs every method
 that many times, the order rotated again per repeat: a row reports the median run's throughput and
@@ -25,9 +28,18 @@ import torch
 from tqdm import tqdm
 
 from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
+from adaflash.layers import prepack
 
 ENGINE_METHODS = ("ar", "fixed", "ema", "head")
 HF_METHODS = ("hf", "hf-pld")
+FULL_VOCAB = "-fullvocab"  # suffix: the same method drafting from the whole vocabulary
+
+
+def known_method(method: str) -> bool:
+    base = method.removesuffix(FULL_VOCAB)
+    if base != method and base in ("ar", *HF_METHODS):
+        return False  # only drafting methods have a draft vocabulary
+    return base in ENGINE_METHODS + HF_METHODS or (base.startswith("fixed") and base[5:].isdigit())
 
 
 @dataclass
@@ -54,12 +66,21 @@ def make_policy(method: str, head=None):
 
 def run_engine(method: str, target, drafter, head, prompts: list[BenchPrompt], concurrency: int, max_new: int,
                eos: list[int], token_budget: int) -> dict:
-    engine = Engine(target, drafter if method != "ar" else None, make_policy(method, head), eos,
+    base = method.removesuffix(FULL_VOCAB)
+    engine = Engine(target, drafter if base != "ar" else None, make_policy(base, head), eos,
                     max_batch=concurrency, token_budget=token_budget)
     reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    states = engine.run(reqs)
-    wall = time.perf_counter() - t0
+    vocab = drafter.vocab if drafter is not None else None
+    if base != method:
+        drafter.set_vocab(None)  # draft from the whole vocabulary (the shared, packed LM head)
+    try:
+        t0 = time.perf_counter()
+        states = engine.run(reqs)
+        wall = time.perf_counter() - t0
+    finally:
+        if base != method:
+            drafter.set_vocab(vocab)
+            prepack(drafter.draft_head)  # packed outside the timed runs
     tokens = sum(len(s.out) for s in states)
     rounds = sum(len(s.rounds) for s in states)
     per_tok = [(s.t_done - s.t_start) / len(s.out) for s in states]

@@ -138,7 +138,7 @@ class Slot:
 def fingerprint(path: Path) -> str:
     """Hash of the weights (drafter + length head): equal iff the served weights are equal."""
     h = hashlib.sha256()
-    for name in ("model.safetensors", "length_head.safetensors"):
+    for name in ("model.safetensors", "draft_vocab.safetensors", "length_head.safetensors"):
         if (path / name).exists():
             h.update((path / name).read_bytes())
     return h.hexdigest()[:16]

@@ -35,11 +35,20 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert (out / "throughput.png").exists() and (out / "head_pred_vs_true.png").exists()
     assert "| math | 3 | head |" in (out / "report.md").read_text()
     assert main(["bench", *common, "--methods", "warp"]) == 2
-    # --min-requests: a cell runs max(min_requests, concurrency) prompts
-    assert main(["bench", *common, "--methods", "ar,fixed", "--concurrency", "1,3", "--min-requests", "2",
+    # --min-requests: a cell runs max(min_requests, concurrency) prompts; with a draft vocabulary,
+    # `-fullvocab` runs the same method drafting from the whole vocabulary, and both stay lossless
+    import torch
+
+    from adaflash.pipelines.draft_vocab import write
+
+    write(drafter, torch.arange(0, 49152, 2), {"size": 24576})
+    assert main(["bench", *common, "--methods", "ar,fixed,fixed-fullvocab", "--concurrency", "1,3", "--min-requests", "2",
                  "--out", str(tmp_path / "b2")]) == 0
     rows = json.loads((tmp_path / "b2" / "results.json").read_text())["rows"]
     assert {(r["concurrency"], r["n_requests"]) for r in rows} == {(1, 2), (3, 3)}
+    assert len({r["committed_tokens"] for r in rows if r["concurrency"] == 3}) == 1 and len(rows) == 6
+    assert main(["bench", *common, "--methods", "ar-fullvocab"]) == 2
+    write(drafter, None, None)
     # --repeats: every method runs N times per cell; the row keeps each run and the median of the ratios
     assert main(["bench", *common, "--methods", "ar,fixed", "--concurrency", "2", "--min-requests", "2", "--repeats", "3",
                  "--out", str(tmp_path / "b3")]) == 0

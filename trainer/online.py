@@ -127,7 +127,7 @@ def refit_head(model: OnlineModel, seqs, k_blk: int, t, seed: int) -> dict | Non
         batch = make_batch(items[i : i + t.eval_seqs], k_blk)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
             h, block = model.blocks(batch)  # [B, NB, K-1, H], [B*NB, K, H]
-            draft = model.drafter.lm_head(h).argmax(-1)  # [B, NB, K-1]
+            draft = model.drafter.draft_ids(h)  # [B, NB, K-1], as served (from the draft vocabulary)
         full = batch["full"].flatten()  # [B*NB]
         states.append(block.float()[full])
         accepted.append(accepted_length(draft, batch["tgt_next"]).flatten()[full])
