@@ -16,9 +16,10 @@ class OracleDrafter:
     probability `noise`, so rounds accept every possible prefix length."""
 
     block_size = 6
+    vocab = None  # drafts from the whole vocabulary (no draft vocabulary)
 
     def __init__(self, reference: list[int], vocab: int, noise: float, seed: int):
-        self.reference, self.vocab, self.noise = reference, vocab, noise
+        self.reference, self.vocab_size, self.noise = reference, vocab, noise
         self.rng = random.Random(seed)
 
     class Cache:
@@ -32,12 +33,12 @@ class OracleDrafter:
 
     def draft(self, cache, last_token, n_logits=None):
         n = n_logits or self.block_size - 1
-        logits = torch.zeros(1, n, self.vocab)
+        logits = torch.zeros(1, n, self.vocab_size)
         for j in range(n):
             pos = cache.length + 1 + j  # the anchor sits at position cache.length
             tok = self.reference[pos] if pos < len(self.reference) else 0
             if self.rng.random() < self.noise:
-                tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                tok = (tok + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
             logits[0, j, tok] = 1.0
         return logits, None
 
