@@ -10,8 +10,8 @@ The drafter's cache keeps context K/V only; the block's K/V are recomputed each 
 
 Draft vocabulary: drafts may come from a subset of the target's vocabulary (the tokens the target
 actually emits, `adaflash draft-vocab`), stored beside the weights as `draft_vocab.safetensors`. The
-LM head is then those rows of the target's head only (SmolLM2: 8,192 of 49,152 rows), which is most
-of the drafting cost on a CPU. Verification still uses the target's full vocabulary, so output is
+LM head is then those rows of the target's head only (SmolLM2: 8,192 of 49,152 rows); on a CPU the
+full head is a large part of drafting. Verification still uses the target's full vocabulary, so output is
 unchanged (greedy) or still the target's distribution (sampling: q is zero outside the subset); a
 token outside the subset just cannot be drafted. Training always uses the full head.
 """

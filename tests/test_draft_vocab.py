@@ -15,9 +15,9 @@ from adaflash.drafter import DRAFT_VOCAB, load_drafter
 from adaflash.engine import EMAPolicy, Engine, FixedPolicy, Request
 from adaflash.generate import generate_ar, generate_dflash
 from adaflash.pipelines.draft_vocab import choose, count, coverage
-from adaflash.spec import propose
+from adaflash.spec import propose, verify_sampling
 from conftest import tiny_drafter, tiny_target
-from test_generate import _marginals
+from test_spec import _first_token_distribution
 
 
 def test_propose_maps_subset_columns_to_full_ids():
@@ -60,36 +60,42 @@ def test_greedy_with_a_draft_vocabulary_equals_plain_decoding(seed):
     ar = generate_ar(target, prompt, 40, [])
     assert generate_dflash(target, drafter, prompt, 40, []).output_ids == ar.output_ids
     reqs = [Request(f"r{i}", prompt[: 2 + i], 30) for i in range(4)]
+    refs = [generate_ar(target, r.prompt_ids, 30, []).output_ids for r in reqs]
     for policy in (FixedPolicy(), FixedPolicy(3), EMAPolicy()):
         states = Engine(target, drafter, policy, eos_ids=[], max_batch=3).run(reqs)
-        for r, s in zip(reqs, states):
-            assert s.out == generate_ar(target, r.prompt_ids, 30, []).output_ids
+        for ref, s in zip(refs, states):
+            assert s.out == ref
             assert all(t in ids.tolist() for rd in s.rounds for t in rd.draft)  # drafts only from the subset
 
 
-def test_sampling_with_a_draft_vocabulary_keeps_target_distribution():
-    """As test_generate's sampling test, with the drafter restricted to 4 of 8 tokens: the target's
-    mass on the other 4 must come back through the residual (chi-square, p = 0.001)."""
-    vocab = 8
-    target = tiny_target(5, vocab=vocab, layers=2, std=0.25)
-    drafter = tiny_drafter(target, 7, block_size=4)
-    drafter.set_vocab(torch.tensor([0, 2, 3, 6]))
-    prompt = [1, 5, 2]
-    m2, m3 = _marginals(target, prompt, vocab)
-    n = 1500
-    c2, c3 = torch.zeros(vocab), torch.zeros(vocab)
-    accepted = 0
-    for s in range(n):
-        res = generate_dflash(target, drafter, prompt, 3, [], temperature=1.0, seed=s)
-        c2[res.output_ids[1]] += 1
-        c3[res.output_ids[2]] += 1
-        accepted += sum(res.accepted_per_round)
-    for counts, exact in ((c2, m2), (c3, m3)):
-        expected = exact * n
-        chi2 = ((counts.double() - expected) ** 2 / expected.clamp(min=1e-9)).sum().item()
-        assert chi2 < 24.3, (chi2, counts, expected)  # 7 degrees of freedom, p = 0.001
-    assert accepted > n * 0.05
-    assert (c2[[1, 4, 5, 7]].sum() + c3[[1, 4, 5, 7]].sum()) > 0  # tokens the drafter cannot draft still come out
+def test_sampling_from_a_subset_keeps_target_distribution():
+    """Drafts sampled from 4 of 8 tokens (q zero elsewhere) and verified by the rejection rule: the
+    first committed token follows the target's p, exactly (analytic) and empirically (chi-square)."""
+    torch.manual_seed(2)
+    vocab = torch.tensor([0, 2, 3, 6])
+    p0 = torch.softmax(torch.randn(8) * 1.5, -1)
+    n = 20000
+    g = torch.Generator().manual_seed(7)
+    draft, q = propose((torch.randn(4) * 1.5).expand(n, 4), 1.0, g, vocab, 8)  # [N] ids, [N, 8] (rows = rounds)
+    torch.testing.assert_close(_first_token_distribution(p0, q[0]), p0, atol=1e-6, rtol=1e-5)
+    p = torch.stack([p0, torch.softmax(torch.randn(8), -1)]).expand(n, 2, 8)
+    accepted, nxt = verify_sampling(draft[:, None], q[:, None], p, g)
+    first = torch.where(accepted == 1, draft, nxt)
+    counts = torch.bincount(first, minlength=8).double()
+    expected = p0.double() * n
+    assert ((counts - expected) ** 2 / expected).sum().item() < 24.3  # 7 degrees of freedom, p = 0.001
+    assert counts[[1, 4, 5, 7]].sum() > 0 and 0 < accepted.float().mean() < 1  # both paths taken
+
+
+def test_batched_sampling_with_a_draft_vocabulary_equals_single_request():
+    target = tiny_target(7, vocab=64, std=0.15)
+    drafter = tiny_drafter(target, 7)
+    drafter.set_vocab(torch.arange(0, 64, 2))
+    reqs = [Request(f"r{i}", [1 + i, 9, 4, 33], 12, temperature=0.9, seed=100 + i) for i in range(4)]
+    states = Engine(target, drafter, FixedPolicy(), eos_ids=[], max_batch=2).run(reqs)
+    for r, s in zip(reqs, states):
+        assert s.out == generate_dflash(target, drafter, r.prompt_ids, 12, [], temperature=0.9, seed=r.seed).output_ids
+        assert all(t % 2 == 0 for rd in s.rounds for t in rd.draft)
 
 
 def _identity(target):
