@@ -70,15 +70,15 @@ def run_engine(method: str, target, drafter, head, prompts: list[BenchPrompt], c
     engine = Engine(target, drafter if base != "ar" else None, make_policy(base, head), eos,
                     max_batch=concurrency, token_budget=token_budget)
     reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
-    vocab = drafter.vocab if drafter is not None else None
-    if base != method:
+    full_vocab, vocab = base != method, drafter.vocab if drafter is not None else None
+    if full_vocab:
         drafter.set_vocab(None)  # draft from the whole vocabulary (the shared, packed LM head)
     try:
         t0 = time.perf_counter()
         states = engine.run(reqs)
         wall = time.perf_counter() - t0
     finally:
-        if base != method:
+        if full_vocab:
             drafter.set_vocab(vocab)
             prepack(drafter.draft_head)  # packed outside the timed runs
     tokens = sum(len(s.out) for s in states)
