@@ -99,3 +99,67 @@ def verify(draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Ten
     else:
         n, nxt = verify_sampling(draft[None], q[None], probs(target_logits[None], temperature), generator)
     return int(n[0]), int(nxt[0])
+
+
+# --------------------------------------------------------------------------- tree verification (greedy)
+#
+# A block drafter gives one distribution per block position, each conditioned on the context alone
+# (not on the drafts before it). A round may therefore verify several candidates per position at once:
+# a token tree whose root is the anchor, where a node at depth j holds one of the top candidates of
+# position j. One target forward over all nodes, each attending to the cache and its own ancestors
+# (RoPE position = depth), gives the target's next-token logits after every path; greedy acceptance
+# walks down from the root, taking the child that equals the target's argmax. Output is unchanged:
+# every committed token is the target's own argmax after the committed text before it.
+
+
+def build_tree(draft_logits: torch.Tensor, n_nodes: int, vocab: torch.Tensor | None = None,
+               width: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter logits [D, Vd] of positions 1..D -> the `n_nodes` most likely draft paths as a tree:
+    (tokens [N] full-vocabulary ids, parents [N]: index of the parent node, 0 = the anchor; node i sits
+    at index i + 1 of the verified sequence [anchor, tokens]). A path's score is the product of its
+    tokens' drafter probabilities; best-first search over the top `width` tokens per position returns
+    the exact top N, parents before children (a child scores below its parent)."""
+    import heapq
+
+    d = draft_logits.shape[0]
+    logp, ids = torch.log_softmax(draft_logits.float(), -1).topk(min(width, draft_logits.shape[-1]), -1)  # [D, W]
+    if vocab is not None:
+        ids = vocab[ids]
+    logp, w = logp.tolist(), ids.shape[1]
+    tokens, parents = [], []
+    heap = [(-logp[0][0], 0, 0, 0)]  # (-score, depth, rank, parent index); depth 0 = block position 1
+    while heap and len(tokens) < n_nodes:
+        neg, depth, rank, parent = heapq.heappop(heap)
+        tokens.append(int(ids[depth, rank]))
+        parents.append(parent)
+        node = len(tokens)  # this node's index in [anchor, tokens]
+        if rank + 1 < w:  # the next sibling: same parent, next candidate at this depth
+            heapq.heappush(heap, (neg + logp[depth][rank] - logp[depth][rank + 1], depth, rank + 1, parent))
+        if depth + 1 < d:  # the best child
+            heapq.heappush(heap, (neg - logp[depth + 1][0], depth + 1, 0, node))
+    return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+
+
+def tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [N] (0 = anchor) -> ancestor mask [N+1, N+1] over [anchor, nodes]: True where row i may
+    attend column j (j is i or one of its ancestors). Row sums - 1 are the nodes' depths."""
+    n = parents.numel() + 1
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents.tolist(), start=1):  # parents come before children
+        mask[i] |= mask[p]
+    return mask
+
+
+def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """tokens, parents [N]; target_logits [N+1, V] over [anchor, nodes] -> (accepted path: node indices
+    1..N from the root down, the target's next token after it)."""
+    best = target_logits.argmax(-1).tolist()  # [N+1]
+    children: dict[tuple[int, int], int] = {}
+    for i, (t, p) in enumerate(zip(tokens.tolist(), parents.tolist()), start=1):
+        children[(p, t)] = i  # siblings hold distinct tokens (top candidates of one position)
+    path, node = [], 0
+    while (node, best[node]) in children:
+        node = children[(node, best[node])]
+        path.append(node)
+    return path, best[node]

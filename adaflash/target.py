@@ -119,6 +119,17 @@ class KVCache:
         self.v = [t[rows] for t in self.v]
         self.valid, self.next_pos = self.valid[rows], self.next_pos[rows]
 
+    def keep(self, start: int, slots: list[int]) -> None:
+        """Keep only the new slots start + slots[i] (in order) of the last append (a tree's accepted
+        path), moved to start + i; all rows valid (single-request trees)."""
+        idx = torch.tensor(slots, device=self.valid.device) + start
+        m = len(slots)
+        for t in self.k + self.v:
+            t[:, :, start : start + m] = t[:, :, idx]
+        self.next_pos -= (self.length - start) - m
+        self.valid[:, start + m : self.length] = False
+        self.length = start + m
+
     def crop(self, length: int) -> None:
         """Drop slots from `length` on (all rows); positions roll back with them."""
         dropped = self.valid[:, length : self.length].sum(1)
@@ -164,18 +175,26 @@ class TargetModel(nn.Module):
         cache: KVCache,
         valid: torch.Tensor | None = None,  # [B, T] bool, False for left padding
         logits_last_only: bool = False,
+        tree: torch.Tensor | None = None,  # [T, T] bool ancestor mask: the new tokens form a token tree
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `input_ids` to the cache; return (logits [B, T or 1, V] fp32, features [B, T, n*H])."""
+        """Append `input_ids` to the cache; return (logits [B, T or 1, V] fp32, features [B, T, n*H]).
+        With `tree` (spec.tree_mask), new token i attends to the cache and to the new tokens j with
+        tree[i, j] only, at RoPE position next_pos + depth; keep one path with `KVCache.keep`."""
         b, t = input_ids.shape
         dev = input_ids.device
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=dev)
+        base = cache.next_pos.clone() if tree is not None else None
         start, positions = cache.append(valid)  # positions: [B, T]
         end = start + t
         # Query slot i (absolute start+i) sees valid key slots <= itself, and always itself (keeps pad rows finite).
         slots = torch.arange(end, device=dev)
         qslots = torch.arange(start, end, device=dev)
         causal = slots[None, :] <= qslots[:, None]  # [T, S]
+        if tree is not None:
+            tree = tree.to(dev)
+            causal = torch.cat([causal[:, :start], tree], dim=1)  # [T, S]: the cache, then the ancestors
+            positions = base[:, None] + tree.sum(1)[None] - 1  # [B, T]: depth in the tree
         mask = (cache.valid[:, None, :end] & causal[None]) | (slots[None, None, :] == qslots[None, :, None])
         mask = mask[:, None]  # [B, 1, T, S]
         cos, sin = self.rotary(positions, self.dtype)

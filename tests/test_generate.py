@@ -18,8 +18,8 @@ class OracleDrafter:
     block_size = 6
     vocab = None  # drafts from the whole vocabulary (no draft vocabulary)
 
-    def __init__(self, reference: list[int], vocab: int, noise: float, seed: int):
-        self.reference, self.vocab_size, self.noise = reference, vocab, noise
+    def __init__(self, reference: list[int], vocab: int, noise: float, seed: int, second: float = 0.0):
+        self.reference, self.vocab_size, self.noise, self.second = reference, vocab, noise, second
         self.rng = random.Random(seed)
 
     class Cache:
@@ -38,8 +38,10 @@ class OracleDrafter:
             pos = cache.length + 1 + j  # the anchor sits at position cache.length
             tok = self.reference[pos] if pos < len(self.reference) else 0
             if self.rng.random() < self.noise:
+                if self.second and self.rng.random() < self.second:
+                    logits[0, j, tok] = 6.0  # the true token drafted second best (a tree can still take it)
                 tok = (tok + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
-            logits[0, j, tok] = 1.0
+            logits[0, j, tok] = 8.0  # peaked, like a trained drafter's
         return logits, None
 
 
@@ -61,6 +63,29 @@ def test_greedy_dflash_equals_plain_decoding(seed):
         if noise == 0.0 and len(ar.output_ids) == 40:
             assert sd.tau > 4  # near-perfect drafts commit nearly whole blocks
         assert sd.committed == len(sd.output_ids) - 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_tree_dflash_equals_plain_decoding(seed):
+    """Tree verification commits exactly plain greedy decoding's tokens, and takes second-best drafts a
+    chain cannot (an oracle whose corrupted positions keep the true token at rank 2)."""
+    target = tiny_target(seed)
+    drafter = tiny_drafter(target, seed)
+    prompt = torch.randint(0, 64, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+    eos = [seed % 64] if seed % 3 == 0 else []
+    ar = generate_ar(target, prompt, 40, eos)
+    for n in (1, 4, 24):
+        sd = generate_dflash(target, drafter, prompt, 40, eos, tree=n)
+        assert sd.output_ids == ar.output_ids
+        assert sd.target_forwards == sd.rounds + 1 and sd.committed == len(sd.output_ids) - 1
+    chain = generate_dflash(target, OracleDrafter(prompt + ar.output_ids, 64, 0.4, seed, second=1.0), prompt, 40, eos)
+    tree = generate_dflash(target, OracleDrafter(prompt + ar.output_ids, 64, 0.4, seed, second=1.0), prompt, 40, eos,
+                           tree=16)
+    assert chain.output_ids == ar.output_ids and tree.output_ids == ar.output_ids
+    if len(ar.output_ids) >= 20:
+        assert tree.tau > chain.tau
+    with pytest.raises(ValueError, match="greedy"):
+        generate_dflash(target, drafter, prompt, 8, eos, temperature=0.8, tree=4)
 
 
 def test_max_new_tokens_and_stats():

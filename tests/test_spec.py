@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from adaflash.spec import accepted_length, verify_greedy, verify_sampling
+from adaflash.spec import accepted_length, build_tree, tree_mask, verify_greedy, verify_sampling, verify_tree_greedy
 
 V = 8
 
@@ -96,3 +96,53 @@ def test_sampling_verify_keeps_target_distribution():
     q_expected = q0.double() * n_samples  # and it is far from the drafter's own distribution
     assert ((counts - q_expected) ** 2 / q_expected).sum().item() > 100
     assert math.isclose(n.float().mean().item(), torch.minimum(p0, q0).sum().item(), abs_tol=0.02)
+
+
+# --------------------------------------------------------------------------- token trees
+
+
+def test_build_tree_is_the_exact_top_n_paths():
+    """Best-first search returns the N highest-probability paths (product over positions), prefix
+    closed, parents before children; checked against brute force over all paths."""
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, generator=g) * 2  # [D=3, V=5]
+    logp = torch.log_softmax(logits, -1)
+    paths = [p for d in range(1, 4) for p in itertools.product(range(5), repeat=d)]
+    score = {p: sum(float(logp[j, t]) for j, t in enumerate(p)) for p in paths}
+    for n in (1, 4, 11, 30):
+        tokens, parents = build_tree(logits, n, width=5)
+        assert len(tokens) == n and bool((parents < torch.arange(1, n + 1)).all())  # parents come first
+        got = []
+        for i in range(n):  # node i+1's path: walk up to the anchor
+            path, node = [], i + 1
+            while node:
+                path.insert(0, int(tokens[node - 1]))
+                node = int(parents[node - 1])
+            got.append(tuple(path))
+        assert sorted(got, key=lambda p: -score[p]) == sorted(paths, key=lambda p: -score[p])[:n]
+    vocab = torch.tensor([3, 10, 20, 30, 40])  # a draft vocabulary maps columns to full ids
+    tokens, _ = build_tree(logits, 6, vocab, width=5)
+    assert set(tokens.tolist()) <= set(vocab.tolist())
+
+
+def test_tree_mask_marks_ancestors_and_depths():
+    parents = torch.tensor([0, 0, 1, 3, 2])  # anchor -> {1, 2}; 1 -> 3 -> 4; 2 -> 5
+    mask = tree_mask(parents)
+    assert mask.sum(1).tolist() == [1, 2, 2, 3, 4, 3]  # depth + 1
+    assert mask[4].nonzero()[:, 0].tolist() == [0, 1, 3, 4]
+    assert not mask[5, 1] and mask[5, 2]
+
+
+def test_tree_verifier_with_fixed_logits():
+    """Mock target logits over [anchor, nodes]: reject the whole tree, follow the second branch, and
+    accept a whole path with the bonus token after its leaf."""
+    tokens = torch.tensor([1, 2, 3, 4, 5])
+    parents = torch.tensor([0, 0, 1, 3, 2])  # paths: 1-3-4 and 2-5
+    path, nxt = verify_tree_greedy(tokens, parents, onehot_logits([7, 0, 0, 0, 0, 0])[0])
+    assert (path, nxt) == ([], 7)  # the target wants 7 after the anchor: no node holds it
+    path, nxt = verify_tree_greedy(tokens, parents, onehot_logits([2, 0, 6, 0, 0, 0])[0])
+    assert (path, nxt) == ([2], 6)  # 2 accepted; after 2 the target wants 6, not the child 5
+    path, nxt = verify_tree_greedy(tokens, parents, onehot_logits([1, 3, 0, 4, 7, 0])[0])
+    assert (path, nxt) == ([1, 3, 4], 7)  # 1, 3, 4 accepted; the bonus comes after the leaf
