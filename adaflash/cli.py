@@ -18,6 +18,7 @@ from pathlib import Path
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "drafter-smollm2"
 CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
+CPU_TREE = 8  # the fastest greedy token tree (nodes) measured on a 2-core CPU (docs/benchmarks.md)
 
 
 class UsageError(Exception):
@@ -64,6 +65,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--temperature must be >= 0")
     if args.verify_len is not None and args.verify_len < 1:
         raise UsageError("--verify-len must be >= 1 (1 = the anchor alone, no drafts verified)")
+    if args.tree is not None and args.tree < 0:
+        raise UsageError("--tree must be >= 0 (0 = verify one chain of drafts)")
+    if args.tree and args.temperature > 0:
+        raise UsageError("--tree verifies greedily only: drop --tree (or pass --tree 0) to sample with a chain of drafts")
+    if args.tree and args.verify_len is not None:
+        raise UsageError("give --tree N (a token tree) or --verify-len L (a chain), not both")
     items = [{"messages": args.prompt, "domain": None}] if args.prompt is not None else read_prompts_file(Path(args.prompts_file))
     target = load_target(args.target, args.dtype)
     drafter = None
@@ -71,6 +78,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     on_cpu = target.model.lm_head.weight.device.type == "cpu"
     verify_len = args.verify_len or (CPU_VERIFY_LEN if on_cpu else None)
+    tree = args.tree
+    if tree is None:  # default: the fastest measured setting on a CPU, greedy only
+        tree = CPU_TREE if on_cpu and args.temperature == 0 and args.verify_len is None else 0
     for i, item in enumerate(items):
         ids = target.encode_chat(item["messages"])
         try:
@@ -81,12 +91,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             res = generate_ar(target.model, ids, args.max_new_tokens, target.eos_ids, args.temperature, args.seed)
         else:
             res = generate_dflash(target.model, drafter, ids, args.max_new_tokens, target.eos_ids, args.temperature,
-                                  args.seed, verify_len=verify_len)
+                                  args.seed, verify_len=verify_len, tree=tree or None)
         text = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         if args.json:
             print(json.dumps({
                 "index": i, "domain": item["domain"], "method": args.method, "output_ids": res.output_ids,
-                "text": text, "tau": round(res.tau, 3), "target_forwards": res.target_forwards,
+                "text": text, "tree": (tree or None) if drafter else None, "tau": round(res.tau, 3), "target_forwards": res.target_forwards,
                 "tokens": len(res.output_ids), "wall_s": round(res.wall_s, 3),
                 "tokens_per_s": round(len(res.output_ids) / res.wall_s, 2),
                 "accept_by_position": [None if a != a else round(a, 3) for a in res.accept_by_position],
@@ -230,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify-len", type=int, default=None,
                    help=f"tokens per verification incl. the anchor (default: {CPU_VERIFY_LEN} on a CPU, where verifying "
                         "drafts that are rejected costs time; the whole block on a GPU)")
+    g.add_argument("--tree", type=int, default=None,
+                   help="greedy only: verify the N most likely draft paths as a token tree (several candidates per "
+                        f"block position) in one target forward; accepts more per round than one chain (default: "
+                        f"{CPU_TREE} on a CPU when greedy and no --verify-len; 0 = one chain)")
     g.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
     g.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter directory (config.json + model.safetensors)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],

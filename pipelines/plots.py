@@ -16,19 +16,25 @@ def _pyplot():
 
 
 def plot_acceptance(report: dict, path: Path) -> Path:
-    """One line per domain: P(block position j accepted | verified), j = 1..K-1."""
+    """One line per domain: P(block position j accepted | verified), j = 1..K-1, of the first variant.
+    Reports that carry `accepted_at_least` (share of rounds accepting >= j drafts, comparable between
+    chains and trees) plot that instead, with the first token tree dashed beside the first chain."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    first = f"dflash-v{report['verify_lens'][0]}"
-    for domain, r in report["domains"].items():
-        v = r["variants"][first]
-        ys = [y for y in v["accept_by_position"] if y is not None]
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{domain} (tau {v['tau']:.2f})")
+    names = list(next(iter(report["domains"].values()))["variants"])
+    at_least = "accepted_at_least" in report["domains"][next(iter(report["domains"]))]["variants"][names[0]]
+    shown = [names[0]] + ([n for n in names if "tree" in n and "tree" not in names[0]][:1] if at_least else [])
+    for ci, (domain, r) in enumerate(report["domains"].items()):
+        for name, style in zip(shown, ("-", "--")):
+            v = r["variants"][name]
+            ys = [y for y in v["accepted_at_least" if at_least else "accept_by_position"] if y is not None]
+            ax.plot(range(1, len(ys) + 1), ys, style, marker="o", color=f"C{ci}",
+                    label=f"{domain} {name.removeprefix('dflash-')} (tau {v['tau']:.2f})")
     ax.set_xlabel("block position (1 = first drafted token)")
-    ax.set_ylabel("acceptance rate")
+    ax.set_ylabel("share of rounds accepting >= j drafts" if at_least else "acceptance rate")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.set_title("DFlash drafter: acceptance by block position (greedy)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -102,6 +102,13 @@ class EvalSection:
     per_domain: int = 16
     max_new_tokens: int = 128
     verify_lens: list[int] = field(default_factory=lambda: [16])  # tokens verified per round, anchor included
+    trees: list[int] = field(default_factory=list)  # greedy token trees to compare, by node count (spec.build_tree)
+
+    def __post_init__(self):
+        if not self.verify_lens and not self.trees:
+            raise ValueError("eval needs at least one of verify_lens (chains) or trees")
+        if any(v < 1 for v in self.verify_lens) or any(n < 1 for n in self.trees):
+            raise ValueError("eval.verify_lens and eval.trees must be >= 1")
     drafter_dtype: str = "auto"  # bf16 where fast: drafts need not be exact, verification (target dtype) is
 
 
@@ -432,7 +439,7 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
             target = load_target(cfg.target.source, cfg.target.dtype)
             drafter = load_drafter(cfg.drafter_out, target.model, target.identity, cfg.eval.drafter_dtype)
             records = read_prompts(prompts_dir / "eval.parquet", cfg.eval.domains, cfg.eval.per_domain)
-            report = evaluate(target, drafter, records, cfg.eval.max_new_tokens, cfg.eval.verify_lens)
+            report = evaluate(target, drafter, records, cfg.eval.max_new_tokens, cfg.eval.verify_lens, cfg.eval.trees)
             write_report(report, Path(cfg.drafter_out))
             summary[stage] = {d: {name: {"tau": round(v["tau"], 2), "speedup": round(v["speedup"], 2)}
                                   for name, v in r["variants"].items()} for d, r in report["domains"].items()}

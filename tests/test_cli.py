@@ -39,8 +39,13 @@ def test_generate_json_both_methods_agree(tiny_hf_dir, tiny_drafter_dir, tmp_pat
     v2_rows = [json.loads(x) for x in v2_out.splitlines()]
     assert code == 0 and [r["output_ids"] for r in v2_rows] == [r["output_ids"] for r in ar_rows]
     assert all(a is None for r in v2_rows for a in r["accept_by_position"][1:])
+    assert all(r["tree"] == 8 for r in sd_rows) and all(r["tree"] is None for r in v2_rows)  # CPU greedy default: a tree
     code, _, err = run(common + ["--method", "dflash", "--verify-len", "0"], capsys)
     assert code == 2 and "--verify-len must be >= 1" in err
+    for extra, message in ((["--tree", "4", "--temperature", "0.5"], "greedily only"),
+                           (["--tree", "4", "--verify-len", "3"], "not both"), (["--tree", "-1"], "--tree must be >= 0")):
+        code, _, err = run(common + extra, capsys)
+        assert code == 2 and message in err
 
 
 @pytest.mark.parametrize("content, message", [
