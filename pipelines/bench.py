@@ -214,16 +214,19 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     paths.append(_save(plt, fig, out / "throughput.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
+    drafting = [r["method"] for r in rows if any(y is not None for y in r.get("accept_by_position") or [])]
+    shown = "fixed" if "fixed" in drafting else (drafting[0] if drafting else None)  # fixed-16 verifies every position
     for r in rows:
-        acc = r.get("accept_by_position")
-        if acc and r["method"] == "fixed" and r["concurrency"] == min(x["concurrency"] for x in rows):
-            ys = [y for y in acc if y is not None]
+        if r["method"] == shown and r["concurrency"] == min(x["concurrency"] for x in rows):
+            ys = [y for y in r["accept_by_position"] if y is not None]
             ax.plot(range(1, len(ys) + 1), ys, marker="o", label=r["domain"])
+    ax.set_title(f"acceptance by block position ({shown})" if shown else "no drafting method in this run")
     ax.set_xlabel("block position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if shown:
+        ax.legend()
     paths.append(_save(plt, fig, out / "accept_by_position.png"))
 
     heads = [r for r in rows if r.get("head_pred")]
