@@ -184,7 +184,6 @@ class TargetModel(nn.Module):
         dev = input_ids.device
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=dev)
-        base = cache.next_pos.clone() if tree is not None else None
         start, positions = cache.append(valid)  # positions: [B, T]
         end = start + t
         # Query slot i (absolute start+i) sees valid key slots <= itself, and always itself (keeps pad rows finite).
@@ -194,7 +193,7 @@ class TargetModel(nn.Module):
         if tree is not None:
             tree = tree.to(dev)
             causal = torch.cat([causal[:, :start], tree], dim=1)  # [T, S]: the cache, then the ancestors
-            positions = base[:, None] + tree.sum(1)[None] - 1  # [B, T]: depth in the tree
+            positions = positions[:, :1] + tree.sum(1)[None] - 1  # [B, T]: the anchor's position + depth in the tree
         mask = (cache.valid[:, None, :end] & causal[None]) | (slots[None, None, :] == qslots[None, :, None])
         mask = mask[:, None]  # [B, 1, T, S]
         cos, sin = self.rotary(positions, self.dtype)

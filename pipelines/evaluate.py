@@ -48,17 +48,18 @@ def evaluate(target: Target, drafter: Drafter, records: list, max_new_tokens: in
             tps = sum(len(s.output_ids) for s in sd) / sum(s.wall_s for s in sd)
             drafted = [sum(s.drafted_at[j] for s in sd) for j in range(k)]
             accepted = [sum(s.accepted_at[j] for s in sd) for j in range(k)]
+            rounds = max(1, sum(s.rounds for s in sd))
             out[name] = {
                 **kw,
                 "identical_greedy": sum(a.output_ids == s[name].output_ids for _, a, s in rows),
-                "tau": sum(s.committed for s in sd) / max(1, sum(s.rounds for s in sd)),
+                "tau": sum(s.committed for s in sd) / rounds,
                 "tau_median_prompt": statistics.median(s.tau for s in sd),
                 "tokens_per_s": tps,
                 "speedup": tps / ar_tps,
                 "accept_by_position": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted)],
                 # share of all rounds that accepted at least j drafts: comparable between chains and trees
                 # (a tree's per-depth rate above is conditioned on the tree reaching that depth)
-                "accepted_at_least": [round(a / max(1, sum(s.rounds for s in sd)), 3) for a in accepted],
+                "accepted_at_least": [round(a / rounds, 3) for a in accepted],
                 "mismatched_prompts": [pid for pid, a, s in rows if a.output_ids != s[name].output_ids],
             }
         report["domains"][domain] = {"prompts": len(rows), "tokens": sum(len(a.output_ids) for _, a, _ in rows),

@@ -21,8 +21,9 @@ def plot_acceptance(report: dict, path: Path) -> Path:
     chains and trees) plot that instead, with the first token tree dashed beside the first chain."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    names = list(next(iter(report["domains"].values()))["variants"])
-    at_least = "accepted_at_least" in report["domains"][next(iter(report["domains"]))]["variants"][names[0]]
+    variants = next(iter(report["domains"].values()))["variants"]  # the same variants in every domain
+    names = list(variants)
+    at_least = "accepted_at_least" in variants[names[0]]
     shown = [names[0]] + ([n for n in names if "tree" in n and "tree" not in names[0]][:1] if at_least else [])
     for ci, (domain, r) in enumerate(report["domains"].items()):
         for name, style in zip(shown, ("-", "--")):
