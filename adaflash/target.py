@@ -393,12 +393,13 @@ def load_target(source: str = "smollm2", dtype: str | torch.dtype = "auto", feat
     if missing or unexpected:
         raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
+    fp = fingerprint(model)  # of the stored weights (float32 here): the same target in any run dtype
     model = model.to(device=resolve_device(device), dtype=dtype).eval().requires_grad_(False)
     prepack(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
     identity = {
         "name": name,
-        "fingerprint": fingerprint(model),
+        "fingerprint": fp,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "num_layers": config.num_layers,

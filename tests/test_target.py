@@ -79,6 +79,9 @@ def test_load_hf_dir_and_errors(tiny_hf_dir, tmp_path):
     ids = t.encode_chat("What is 2+3?")
     assert t.tokenizer.decode(ids).rstrip().endswith("assistant")
     assert t.identity["vocab_size"] == 49152 and len(t.identity["fingerprint"]) == 16
+    bf = load_target(str(tiny_hf_dir), "bfloat16")
+    assert bf.model.lm_head.weight.dtype == torch.bfloat16
+    assert bf.identity == t.identity  # same target in another run dtype: a drafter trained for it still fits
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_target(str(tmp_path), "float32")
     with pytest.raises(ValueError, match="dtype"):
