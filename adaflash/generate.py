@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adaflash.drafter import Drafter
-from adaflash.spec import build_tree, pick, propose, tree_mask, verify, verify_tree_greedy
+from adaflash.spec import build_tree, graft, lookup_chain, pick, propose, tree_mask, verify, verify_tree_greedy
 from adaflash.target import TargetModel
 
 
@@ -83,22 +83,27 @@ def generate_ar(
 def generate_dflash(
     model: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int],
     temperature: float = 0.0, seed: int = 0, verify_len: int | None = None, tree: int | None = None,
+    lookup: int = 0,
 ) -> GenerationResult:
     """Speculative decoding with the block drafter: draft K-1 tokens in one pass, verify up to
     `verify_len - 1` of them (default all) in one target forward, commit accepted + 1.
     `tree` N (greedy only): verify the N most likely draft paths as a token tree instead of one chain
-    (spec.build_tree); the accepted path is the longest one the target's argmax follows."""
+    (spec.build_tree); the accepted path is the longest one the target's argmax follows. `lookup` L (trees
+    only): also graft the up to L tokens that followed the last earlier occurrence of the text's final
+    n-gram (spec.lookup_chain) into each tree."""
     k_blk = drafter.block_size
     n_verify = min(verify_len or k_blk, k_blk) - 1  # drafts verified per round
     if tree is not None and (tree < 1 or temperature > 0):
         raise ValueError("tree verification needs tree >= 1 node and greedy decoding (temperature 0); "
                          "sample with a chain (verify_len) instead")
+    if lookup < 0 or (lookup and tree is None):
+        raise ValueError("lookup needs a token tree (tree >= 1) and a length >= 0")
     check_length(model, len(prompt_ids), max_new_tokens, k_blk)
     dev = model.lm_head.weight.device
     gen = torch.Generator(device=dev).manual_seed(seed)
     eos = set(eos_ids)
     t0 = time.perf_counter()
-    cap = len(prompt_ids) + max_new_tokens + max(k_blk, tree or 0) + 1
+    cap = len(prompt_ids) + max_new_tokens + max(k_blk, (tree or 0) + lookup) + 1
     tcache, dcache = model.new_cache(1, cap), drafter.new_cache(1, cap)
     logits, feats = model(torch.tensor([prompt_ids], device=dev), tcache, logits_last_only=True)
     drafter.extend_context(feats, dcache)
@@ -108,7 +113,8 @@ def generate_dflash(
         budget = max_new_tokens - len(out) - 1  # never draft past the budget
         last = torch.tensor([out[-1]], device=dev)
         if tree is not None and budget > 0:
-            accepted, nxt, k = _tree_round(model, drafter, tcache, dcache, last, min(k_blk - 1, budget), tree)
+            chain = lookup_chain(prompt_ids + out, min(lookup, k_blk - 1, budget))
+            accepted, nxt, k = _tree_round(model, drafter, tcache, dcache, last, min(k_blk - 1, budget), tree, chain)
         else:
             k = min(n_verify, budget)
             draft, q = torch.zeros(0, dtype=torch.long, device=dev), None
@@ -135,12 +141,13 @@ def generate_dflash(
 
 
 def _tree_round(model: TargetModel, drafter: Drafter, tcache, dcache, last: torch.Tensor, depth: int,
-                n_nodes: int) -> tuple[list[int], int, int]:
-    """One greedy tree round: draft `depth` block positions, verify the best `n_nodes` paths in one target
-    forward, keep the accepted path's K/V in both caches; -> (accepted drafts, next token, tree depth)."""
+                n_nodes: int, chain: list[int]) -> tuple[list[int], int, int]:
+    """One greedy tree round: draft `depth` block positions, verify the best `n_nodes` paths plus the
+    lookup `chain` in one target forward, keep the accepted path's K/V in both caches;
+    -> (accepted drafts, next token, tree depth)."""
     depth = min(depth, n_nodes)  # a tree of N nodes is at most N deep
     draft_logits, _ = drafter.draft(dcache, last, n_logits=depth)  # [1, D, Vd]
-    tokens, parents = build_tree(draft_logits[0], n_nodes, drafter.vocab)  # [N], [N]
+    tokens, parents = graft(*build_tree(draft_logits[0], n_nodes, drafter.vocab), chain)  # [N'], [N']
     mask = tree_mask(parents)  # [N+1, N+1] over [anchor, nodes]
     start = tcache.length
     logits, feats = model(torch.cat([last, tokens.to(last.device)])[None], tcache, tree=mask)  # [1, N+1, V]

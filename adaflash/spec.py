@@ -151,6 +151,38 @@ def tree_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def lookup_chain(history: list[int], length: int, max_ngram: int = 3) -> list[int]:
+    """Prompt lookup: find the most recent earlier occurrence of the longest suffix n-gram of `history`
+    (n = max_ngram down to 1) and return the up to `length` tokens that followed it ([] if none).
+    Answers often copy spans of their prompt or of themselves (numbers, names, restated questions):
+    the block drafter, conditioned on features, misses many of those, a string match does not."""
+    if length <= 0 or len(history) < 2:
+        return []
+    ends = (torch.tensor(history[:-1]) == history[-1]).nonzero().flatten().tolist()  # earlier places of the last token
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for j in reversed(ends):  # most recent first; the suffix itself (ending at the last token) excluded
+            if j >= n - 1 and history[j - n + 1 : j + 1] == tail:
+                return history[j + 1 : j + 1 + length]
+    return []
+
+
+def graft(tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add `chain` to a tree (tokens, parents [N], 0 = the anchor) as a path from the anchor, reusing the
+    nodes it shares with the tree -> (tokens, parents [N + new nodes]); siblings stay distinct and
+    parents stay before children."""
+    toks, pars = tokens.tolist(), parents.tolist()
+    children = {(p, t): i for i, (t, p) in enumerate(zip(toks, pars), start=1)}
+    node = 0
+    for t in chain:
+        if (node, t) not in children:
+            toks.append(t)
+            pars.append(node)
+            children[(node, t)] = len(toks)
+        node = children[(node, t)]
+    return torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long)
+
+
 def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> tuple[list[int], int]:
     """tokens, parents [N]; target_logits [N+1, V] over [anchor, nodes] -> (accepted path: node indices
     1..N from the root down, the target's next token after it)."""

@@ -86,6 +86,32 @@ def test_greedy_tree_dflash_equals_plain_decoding(seed):
         assert tree.tau > chain.tau
     with pytest.raises(ValueError, match="greedy"):
         generate_dflash(target, drafter, prompt, 8, eos, temperature=0.8, tree=4)
+    with pytest.raises(ValueError, match="lookup needs a token tree"):
+        generate_dflash(target, drafter, prompt, 8, eos, lookup=4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_with_lookup_commits_exactly_what_the_lookup_predicts(seed):
+    """A drafter that is always wrong with a one-node tree: every accepted draft comes from the lookup
+    branch, so rounds and committed tokens equal a replay of spec.lookup_chain over the plain output;
+    the output is plain decoding's."""
+    from adaflash.spec import lookup_chain
+
+    target = tiny_target(seed)
+    prompt = torch.randint(0, 64, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+    prompt = prompt + prompt  # a repeated prompt: some continuations are in it
+    eos = [seed % 64] if seed % 3 == 0 else []
+    ar = generate_ar(target, prompt, 40, eos)
+    out = ar.output_ids
+    for lookup in (1, 4, 15):
+        sd = generate_dflash(target, OracleDrafter(prompt + out, 64, 1.0, seed), prompt, 40, eos, tree=1, lookup=lookup)
+        assert sd.output_ids == out
+        a, rounds = 1, 0  # out[0] comes from the prefill
+        while a < len(out):
+            chain = lookup_chain(prompt + out[:a], min(lookup, 5, 40 - a - 1))  # OracleDrafter blocks are 6
+            n = next((j for j, t in enumerate(chain) if a + j >= len(out) or out[a + j] != t), len(chain))
+            a, rounds = a + n + 1, rounds + 1
+        assert sd.rounds == rounds and sd.committed == len(out) - 1
 
 
 def test_max_new_tokens_and_stats():

@@ -1,4 +1,5 @@
-"""The real target with the committed drafter: greedy DFlash (one chain, and a token tree) equals plain
+"""The real target with the committed drafter: greedy DFlash (one chain, a token tree, a tree with a
+prompt-lookup branch) equals plain
 decoding token for token, and the trained drafter really drafts (tau well above 1)."""
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ def test_committed_drafter_metadata():
 def test_greedy_lossless_on_smollm2(real):
     target, drafter = real
     lines = (ROOT / "examples" / "prompts.jsonl").read_text().splitlines()
-    taus, tree_taus = [], []
+    taus, tree_taus, lookup_taus = [], [], []
     for line in lines[:3]:
         ids = target.encode_chat(json.loads(line)["messages"])
         ar = generate_ar(target.model, ids, 64, target.eos_ids)
         sd = generate_dflash(target.model, drafter, ids, 64, target.eos_ids)
         tree = generate_dflash(target.model, drafter, ids, 64, target.eos_ids, tree=8)
-        assert sd.output_ids == ar.output_ids and tree.output_ids == ar.output_ids
+        lookup = generate_dflash(target.model, drafter, ids, 64, target.eos_ids, tree=8, lookup=8)
+        assert sd.output_ids == ar.output_ids and tree.output_ids == ar.output_ids and lookup.output_ids == ar.output_ids
         taus.append(sd.tau)
         tree_taus.append(tree.tau)
+        lookup_taus.append(lookup.tau)
     assert sum(taus) / len(taus) > 1.5, taus  # a trained drafter, not a random one
     assert sum(tree_taus) > sum(taus), (tree_taus, taus)  # second-best drafts get accepted too
+    assert sum(lookup_taus) > sum(tree_taus), (lookup_taus, tree_taus)  # answers copy spans of their prompts

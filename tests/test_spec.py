@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from adaflash.spec import accepted_length, build_tree, tree_mask, verify_greedy, verify_sampling, verify_tree_greedy
+from adaflash.spec import (accepted_length, build_tree, graft, lookup_chain, tree_mask, verify_greedy, verify_sampling,
+                           verify_tree_greedy)
 
 V = 8
 
@@ -146,3 +147,24 @@ def test_tree_verifier_with_fixed_logits():
     assert (path, nxt) == ([2], 6)  # 2 accepted; after 2 the target wants 6, not the child 5
     path, nxt = verify_tree_greedy(tokens, parents, onehot_logits([1, 3, 0, 4, 7, 0])[0])
     assert (path, nxt) == ([1, 3, 4], 7)  # 1, 3, 4 accepted; the bonus comes after the leaf
+
+
+def test_lookup_chain_takes_the_latest_longest_match():
+    hist = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    assert lookup_chain(hist, 3) == [9, 2, 6]  # the suffix 6 7 last occurred before 9
+    assert lookup_chain(hist, 1, max_ngram=1) == [9]  # 7 alone: its latest earlier occurrence, followed by 9
+    assert lookup_chain([1, 2, 3, 4, 2, 3], 4) == [4, 2, 3]  # runs up to the end of the history
+    assert lookup_chain([1, 2, 3, 4, 9, 3], 4) == [4, 9, 3]  # no 2-gram match: falls back to the 1-gram 3
+    assert lookup_chain([1, 2, 3], 4) == [] and lookup_chain([4], 4) == [] and lookup_chain([1, 1], 0) == []
+
+
+def test_graft_reuses_shared_nodes():
+    tokens, parents = torch.tensor([1, 2, 3]), torch.tensor([0, 0, 1])  # paths 1-3 and 2
+    t, p = graft(tokens, parents, [1, 3, 5, 6])  # shares 1-3, then grows 5-6 under node 3
+    assert t.tolist() == [1, 2, 3, 5, 6] and p.tolist() == [0, 0, 1, 3, 4]
+    t, p = graft(tokens, parents, [4])  # a new first token: a new child of the anchor
+    assert t.tolist() == [1, 2, 3, 4] and p.tolist() == [0, 0, 1, 0]
+    t, p = graft(tokens, parents, [])
+    assert t.tolist() == tokens.tolist() and p.tolist() == parents.tolist()
+    path, nxt = verify_tree_greedy(*graft(tokens, parents, [1, 3, 5, 6]), onehot_logits([1, 3, 0, 5, 6, 7])[0])
+    assert (path, nxt) == ([1, 3, 4, 5], 7)  # the grafted continuation is accepted through the shared nodes
