@@ -19,6 +19,7 @@ from pathlib import Path
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "drafter-smollm2"
 CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
 CPU_TREE = 8  # the fastest greedy token tree (nodes) measured on a 2-core CPU (docs/benchmarks.md)
+LOOKUP = 8  # prompt-lookup branch grafted into every tree by default (tokens; docs/benchmarks.md)
 
 
 class UsageError(Exception):
@@ -71,6 +72,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--tree verifies greedily only: drop --tree (or pass --tree 0) to sample with a chain of drafts")
     if args.tree and args.verify_len is not None:
         raise UsageError("give --tree N (a token tree) or --verify-len L (a chain), not both")
+    if args.lookup is not None and args.lookup < 0:
+        raise UsageError("--lookup must be >= 0 (0 = no prompt-lookup branch)")
     items = [{"messages": args.prompt, "domain": None}] if args.prompt is not None else read_prompts_file(Path(args.prompts_file))
     target = load_target(args.target, args.dtype)
     drafter = None
@@ -81,6 +84,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tree = args.tree
     if tree is None:  # default: the fastest measured setting on a CPU, greedy only
         tree = CPU_TREE if on_cpu and args.temperature == 0 and args.verify_len is None else 0
+    if args.lookup and not tree:
+        raise UsageError("--lookup grafts a prompt-lookup branch into a token tree: greedy decoding with --tree N "
+                         "(the CPU default) only")
+    lookup = (LOOKUP if args.lookup is None else args.lookup) if tree else 0
     for i, item in enumerate(items):
         ids = target.encode_chat(item["messages"])
         try:
@@ -91,12 +98,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             res = generate_ar(target.model, ids, args.max_new_tokens, target.eos_ids, args.temperature, args.seed)
         else:
             res = generate_dflash(target.model, drafter, ids, args.max_new_tokens, target.eos_ids, args.temperature,
-                                  args.seed, verify_len=verify_len, tree=tree or None)
+                                  args.seed, verify_len=verify_len, tree=tree or None, lookup=lookup)
         text = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         if args.json:
             print(json.dumps({
                 "index": i, "domain": item["domain"], "method": args.method, "output_ids": res.output_ids,
-                "text": text, "tree": (tree or None) if drafter else None, "tau": round(res.tau, 3), "target_forwards": res.target_forwards,
+                "text": text, "tree": (tree or None) if drafter else None,
+                "lookup": lookup if drafter else None, "tau": round(res.tau, 3), "target_forwards": res.target_forwards,
                 "tokens": len(res.output_ids), "wall_s": round(res.wall_s, 3),
                 "tokens_per_s": round(len(res.output_ids) / res.wall_s, 2),
                 "accept_by_position": [None if a != a else round(a, 3) for a in res.accept_by_position],
@@ -244,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy only: verify the N most likely draft paths as a token tree (several candidates per "
                         f"block position) in one target forward; accepts more per round than one chain (default: "
                         f"{CPU_TREE} on a CPU when greedy and no --verify-len; 0 = one chain)")
+    g.add_argument("--lookup", type=int, default=None,
+                   help="trees only: also verify the up to L tokens that followed the last earlier occurrence of the "
+                        "text's final 1-3 tokens (prompt lookup: answers copy numbers, names and phrases from the "
+                        f"prompt); default {LOOKUP} with a tree, 0 = none")
     g.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
     g.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter directory (config.json + model.safetensors)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],

@@ -2,7 +2,8 @@
 
 For every prompt plain decoding and each DFlash variant (verify length) run back to back
 (interleaved, so machine noise hits all alike); greedy outputs are checked token for token.
-Variants: chains (verify lengths) and greedy token trees (`eval.trees`, node counts). Reports tau,
+Variants: chains (verify lengths) and greedy token trees (`eval.trees`, node counts; each also with a
+prompt-lookup branch of every length in `eval.lookup` > 0). Reports tau,
 acceptance by block position (a tree's: the depth its accepted path reached) and the wall-clock
 speedup per domain.
 """
@@ -20,17 +21,20 @@ from adaflash.generate import generate_ar, generate_dflash
 from adaflash.target import Target
 
 
-def variants_of(verify_lens: list[int], trees: list[int]) -> dict[str, dict]:
-    """DFlash variants by name -> generate_dflash keyword arguments: chains (verify lengths), then trees."""
+def variants_of(verify_lens: list[int], trees: list[int], lookup: list[int] = (0,)) -> dict[str, dict]:
+    """DFlash variants by name -> generate_dflash keyword arguments: chains (verify lengths), then trees
+    (`dflash-treeN`, and `dflash-treeN-lookupL` for every lookup length L > 0)."""
     out = {f"dflash-v{v}": {"verify_len": v} for v in verify_lens}
-    out.update({f"dflash-tree{n}": {"tree": n} for n in trees})
+    for n in trees:
+        out.update({f"dflash-tree{n}" + (f"-lookup{lk}" if lk else ""): {"tree": n, **({"lookup": lk} if lk else {})}
+                    for lk in lookup})
     return out
 
 
 def evaluate(target: Target, drafter: Drafter, records: list, max_new_tokens: int, verify_lens: list[int],
-             trees: list[int] = ()) -> dict:
+             trees: list[int] = (), lookup: list[int] = (0,)) -> dict:
     """-> {"domains": {domain: {"ar_tokens_per_s", "variants": {"dflash-v16": {...}, "dflash-tree8": ...}}}}."""
-    variants = variants_of(verify_lens, list(trees))
+    variants = variants_of(verify_lens, list(trees), list(lookup))
     runs: dict[str, list] = {}
     for rec in tqdm(records, desc="eval", unit="prompt"):
         ids = target.encode_chat(rec.messages)
@@ -38,7 +42,8 @@ def evaluate(target: Target, drafter: Drafter, records: list, max_new_tokens: in
         sds = {name: generate_dflash(target.model, drafter, ids, max_new_tokens, target.eos_ids, **kw)
                for name, kw in variants.items()}
         runs.setdefault(rec.domain, []).append((rec.prompt_id, ar, sds))
-    report = {"max_new_tokens": max_new_tokens, "verify_lens": verify_lens, "trees": list(trees), "domains": {}}
+    report = {"max_new_tokens": max_new_tokens, "verify_lens": verify_lens, "trees": list(trees),
+              "lookup": list(lookup), "domains": {}}
     k = drafter.block_size - 1
     for domain, rows in runs.items():
         ar_tps = sum(len(a.output_ids) for _, a, _ in rows) / sum(a.wall_s for _, a, _ in rows)

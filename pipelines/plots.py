@@ -18,13 +18,15 @@ def _pyplot():
 def plot_acceptance(report: dict, path: Path) -> Path:
     """One line per domain: P(block position j accepted | verified), j = 1..K-1, of the first variant.
     Reports that carry `accepted_at_least` (share of rounds accepting >= j drafts, comparable between
-    chains and trees) plot that instead, with the first token tree dashed beside the first chain."""
+    chains and trees) plot that instead, with the fastest other variant (speedup on the first domain)
+    dashed beside the first."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
     variants = next(iter(report["domains"].values()))["variants"]  # the same variants in every domain
     names = list(variants)
     at_least = "accepted_at_least" in variants[names[0]]
-    shown = [names[0]] + ([n for n in names if "tree" in n and "tree" not in names[0]][:1] if at_least else [])
+    others = sorted(names[1:], key=lambda n: -variants[n].get("speedup", 0.0))
+    shown = [names[0]] + (others[:1] if at_least else [])
     for ci, (domain, r) in enumerate(report["domains"].items()):
         for name, style in zip(shown, ("-", "--")):
             v = r["variants"][name]

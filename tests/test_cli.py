@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from adaflash.cli import main
+from adaflash.cli import CPU_TREE, LOOKUP, main
 
 
 def run(args, capsys):
@@ -39,11 +39,19 @@ def test_generate_json_both_methods_agree(tiny_hf_dir, tiny_drafter_dir, tmp_pat
     v2_rows = [json.loads(x) for x in v2_out.splitlines()]
     assert code == 0 and [r["output_ids"] for r in v2_rows] == [r["output_ids"] for r in ar_rows]
     assert all(a is None for r in v2_rows for a in r["accept_by_position"][1:])
-    assert all(r["tree"] == 8 for r in sd_rows) and all(r["tree"] is None for r in v2_rows)  # CPU greedy default: a tree
+    # CPU greedy default: a tree with a prompt-lookup branch
+    assert all(r["tree"] == CPU_TREE and r["lookup"] == LOOKUP for r in sd_rows)
+    assert all(r["tree"] is None and r["lookup"] == 0 for r in v2_rows)
+    code, t3_out, _ = run(common + ["--method", "dflash", "--tree", "3", "--lookup", "2"], capsys)
+    t3_rows = [json.loads(x) for x in t3_out.splitlines()]
+    assert code == 0 and [r["output_ids"] for r in t3_rows] == [r["output_ids"] for r in ar_rows]
+    assert all(r["tree"] == 3 and r["lookup"] == 2 for r in t3_rows)
     code, _, err = run(common + ["--method", "dflash", "--verify-len", "0"], capsys)
     assert code == 2 and "--verify-len must be >= 1" in err
     for extra, message in ((["--tree", "4", "--temperature", "0.5"], "greedily only"),
-                           (["--tree", "4", "--verify-len", "3"], "not both"), (["--tree", "-1"], "--tree must be >= 0")):
+                           (["--tree", "4", "--verify-len", "3"], "not both"), (["--tree", "-1"], "--tree must be >= 0"),
+                           (["--lookup", "4", "--verify-len", "3"], "into a token tree"),
+                           (["--lookup", "4", "--tree", "0"], "into a token tree"), (["--lookup", "-1"], "--lookup must be >= 0")):
         code, _, err = run(common + extra, capsys)
         assert code == 2 and message in err
 

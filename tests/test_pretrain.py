@@ -28,7 +28,7 @@ def tiny_config(tmp_path, source: str, max_steps: int) -> PretrainConfig:
         "train": {"seqs_per_step": 2, "anchors_per_seq": 3, "max_steps": max_steps, "save_every": 2,
                   "autocast_bf16": False},
         "eval": {"domains": ["gsm8k"], "per_domain": 1, "max_new_tokens": 8, "verify_lens": [4, 2],
-                 "trees": [3]},
+                 "trees": [3], "lookup": [0, 2]},
     })
 
 
@@ -62,7 +62,7 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
     meta = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert meta["training"]["steps"] == 4 and meta["block_size"] == 4
     report = json.loads((tmp_path / "drafter" / "eval.json").read_text())
-    for variant in ("dflash-v4", "dflash-v2", "dflash-tree3"):
+    for variant in ("dflash-v4", "dflash-v2", "dflash-tree3", "dflash-tree3-lookup2"):
         v = report["domains"]["gsm8k"]["variants"][variant]
         assert v["identical_greedy"] == 1
         assert len(v["accepted_at_least"]) == 3 and v["accepted_at_least"] == sorted(v["accepted_at_least"], reverse=True)
@@ -112,6 +112,8 @@ def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path,
         from_dict(PretrainConfig, {"regen": {"store_features": False}})
     with pytest.raises(ConfigError, match="at least one of verify_lens"):
         from_dict(PretrainConfig, {"eval": {"verify_lens": [], "trees": []}})
+    with pytest.raises(ConfigError, match="prompt-lookup branch lengths"):
+        from_dict(PretrainConfig, {"eval": {"trees": [8], "lookup": [-1]}})
 
 
 def test_regeneration_batches_respect_the_token_budget():
