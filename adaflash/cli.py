@@ -158,24 +158,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import platform
 
     from adaflash.drafter import load_drafter
-    from adaflash.pipelines.bench import ENGINE_METHODS, FULL_VOCAB, HF_METHODS, bench, known_method, write_bench
+    from adaflash.pipelines.bench import ENGINE_METHODS, HF_METHODS, bench, known_method, split_method, write_bench
     from adaflash.target import load_target
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not known_method(m)]
     if bad:
         raise UsageError(f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK, "
-                         "or a drafting method + '-fullvocab'")
+                         "a method + '-lookup' (prompt lookup), or a drafting method + '-fullvocab'")
     try:
         concurrency = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         raise UsageError("--concurrency takes comma-separated integers, e.g. 1,8,32") from None
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.lookup_len < 1 or not 1 <= args.lookup_min_ngram <= 3:
+        raise UsageError(f"--lookup-len must be >= 1 (got {args.lookup_len}) and --lookup-min-ngram 1..3 (got {args.lookup_min_ngram})")
     target = load_target(args.target, args.dtype)
     drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     head = None
-    if any(m.removesuffix(FULL_VOCAB) == "head" for m in methods):
+    if any(split_method(m)[0] == "head" for m in methods):
         from adaflash.length_head import load_length_head
 
         if not (Path(args.drafter) / "length_head.json").exists():
@@ -191,10 +193,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.model.dtype).eval()
     prompts = _bench_prompts(args, target)
     rows = bench(target, drafter, head, hf_model, target.tokenizer.pad_token_id or target.eos_ids[0],
-                 prompts, methods, concurrency, args.max_new_tokens, args.token_budget, args.min_requests, args.repeats)
+                 prompts, methods, concurrency, args.max_new_tokens, args.token_budget, args.min_requests, args.repeats,
+                 (args.lookup_len, args.lookup_min_ngram))
     meta = {"command": "adaflash " + " ".join(sys.argv[1:]), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"torch threads {__import__('torch').get_num_threads()}", "max_new_tokens": args.max_new_tokens,
-            "token_budget": args.token_budget, "target": target.identity, "dtype": args.dtype, "repeats": args.repeats}
+            "token_budget": args.token_budget, "target": target.identity, "dtype": args.dtype, "repeats": args.repeats,
+            "lookup_len": args.lookup_len, "lookup_min_ngram": args.lookup_min_ngram}
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
     return 0
@@ -275,12 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Runs every method on the same prompts, interleaved per cell; writes results.json, "
                                    "report.md and PNG plots into --out.")
     b.add_argument("--methods", default="ar,fixed,ema,head,hf,hf-pld",
-                   help="ar, fixed, fixedK, ema, head, hf, hf-pld; a drafting method + '-fullvocab' (head-fullvocab) "
+                   help="ar, fixed, fixedK, ema, head, hf, hf-pld; an engine method + '-lookup' (head-lookup) adds "
+                        "prompt lookup (ar-lookup: lookup alone); a drafting method + '-fullvocab' (head-fullvocab) "
                         "ignores the drafter's draft vocabulary")
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--token-budget", type=int, default=512, help="max verify tokens per engine step (admission bound)")
     b.add_argument("--out", default="runs/bench", help="output folder")
+    b.add_argument("--lookup-len", type=int, default=4, help="-lookup methods: longest copied chain verified per round")
+    b.add_argument("--lookup-min-ngram", type=int, default=2,
+                   help="-lookup methods: the text's last N tokens (N = 3 down to this) must have occurred before")
     b.add_argument("--min-requests", type=int, default=0,
                    help="each cell runs max(this, concurrency) prompts of its domain (0 = all --n-prompts)")
     b.add_argument("--repeats", type=int, default=1,

@@ -8,6 +8,12 @@ packed target forward (ragged: no padding to the longest), commits accepted + 1 
 retires finished requests. Requests join and leave between steps. Greedy output equals
 single-request output; sampling is lossless.
 
+Prompt lookup (`lookup` L > 0): a request whose text ends in an n-gram (at least `lookup_min`
+tokens) that occurred earlier in its prompt or output verifies the up to L tokens that followed it
+(spec.lookup_chain) instead of drafting: it skips the drafter pass and the verify-length policy that
+step. Sampling stays lossless (the chain is a deterministic proposal, q = one-hot). The trajectory
+buffer gets drafter rounds only.
+
 Admission is bounded by a token budget per step: an exponential moving average of each request's
 recent verify lengths estimates its next demand, and verify lengths are trimmed if a step would
 exceed the budget, so the engine never over-commits.
@@ -30,7 +36,7 @@ from typing import Callable
 import torch
 
 from adaflash.drafter import Drafter
-from adaflash.spec import pick, propose, verify
+from adaflash.spec import lookup_chain, pick, propose, verify
 from adaflash.target import KVCache, TargetModel
 
 
@@ -57,6 +63,7 @@ class Round:
     pred: float  # length-head prediction (nan without a head)
     t_ns: int = 0  # wall-clock time of the verification
     hidden: torch.Tensor | None = None  # [K, H] drafter block states, kept when collecting head data
+    source: str = "drafter"  # or "lookup": the drafts came from prompt lookup, not the drafter
 
 
 @dataclass
@@ -174,9 +181,12 @@ class HeadPolicy(VerifyPolicy):
 class Engine:
     def __init__(self, target: TargetModel, drafter: Drafter | None, policy: VerifyPolicy, eos_ids: list[int],
                  max_batch: int = 32, token_budget: int = 512, ema_alpha: float = 0.3, keep_hidden: bool = False,
-                 head=None, version: str = "0"):
+                 head=None, version: str = "0", lookup: int = 0, lookup_min: int = 2):
         if policy.drafts and drafter is None:
             raise ValueError(f"policy {policy.name} needs a drafter")
+        if lookup < 0 or not 1 <= lookup_min <= 3:
+            raise ValueError(f"lookup must be >= 0 (got {lookup}) and lookup_min 1..3 (got {lookup_min})")
+        self.lookup, self.lookup_min = lookup, lookup_min
         self.target, self.policy = target, policy
         self.slot = DrafterSlot(drafter, head, version)
         self._lock = threading.Lock()
@@ -241,7 +251,7 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         limit = self.target.config.max_position_embeddings
-        if len(req.prompt_ids) + req.max_new_tokens + self.k_blk > limit:
+        if len(req.prompt_ids) + req.max_new_tokens + max(self.k_blk, self.lookup + 1) > limit:
             raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
                              f"{req.max_new_tokens} exceeds the target's context of {limit}")
         if len(req.prompt_ids) > self.token_budget:
@@ -264,7 +274,7 @@ class Engine:
         while self.waiting and len(self.running) + len(new) < self.max_batch and len(self.waiting[0].prompt_ids) <= budget:
             req = self.waiting.popleft()
             budget -= len(req.prompt_ids)
-            cap = len(req.prompt_ids) + req.max_new_tokens + self.k_blk + 1
+            cap = len(req.prompt_ids) + req.max_new_tokens + max(self.k_blk, self.lookup + 1) + 1
             st = RequestState(req, self.slot, self.target.new_cache(1, cap),
                               self.drafter.new_cache(1, cap) if self.policy.drafts else None,
                               torch.Generator(device=dev).manual_seed(req.seed), t_start=time.perf_counter())
@@ -272,7 +282,7 @@ class Engine:
             new.append(st)
         if not new:
             return []
-        logits, feats = self.target.forward_packed([torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new])
+        logits, feats = self.target.forward_packed([torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new], out="last")
         if self.policy.drafts:
             self.slot.drafter.extend_many(feats, [s.dcache for s in new])
         for st, lg in zip(new, logits):
@@ -311,30 +321,44 @@ class Engine:
         self.stats["steps"] += 1
         return done
 
+    def _chains(self, active: list[RequestState]) -> list[list[int]]:
+        """Prompt-lookup chain per request ([] = none, or lookup off), never past max_new_tokens."""
+        if not self.lookup:
+            return [[] for _ in active]
+        return [lookup_chain(s.req.prompt_ids + s.out, min(self.lookup, s.req.max_new_tokens - len(s.out) - 1),
+                             min_ngram=self.lookup_min) for s in active]
+
     def _speculate(self, active: list[RequestState]) -> None:
         k_blk = self.k_blk
         dev = self.target.lm_head.weight.device
         last = torch.tensor([s.out[-1] for s in active], device=dev)
-        hidden = draft_logits = None
-        groups = self._groups(active)  # requests per live drafter (more than one only around a swap)
-        lens, preds = [0] * len(active), [float("nan")] * len(active)
-        if self.policy.drafts:
-            hidden = [None] * len(active)
-            for slot, idx in groups:
-                hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx], self.policy.draft_len(k_blk, slot.head))  # [r, L, H]
-                gl, gp = self.policy.lengths([active[i] for i in idx], hd, k_blk)
-                for j, i in enumerate(idx):
-                    hidden[i], lens[i], preds[i] = hd[j], gl[j], gp[j]
-        else:
+        chains = self._chains(active)
+        drafting = [i for i, c in enumerate(chains) if not c] if self.policy.drafts else []
+        groups = self._groups(active, drafting)  # drafting requests per live drafter (several only around a swap)
+        lens, preds = [1] * len(active), [float("nan")] * len(active)
+        hidden: list[torch.Tensor | None] = [None] * len(active)
+        if not self.policy.drafts:
             lens, preds = self.policy.lengths(active, None, k_blk)
+        for slot, idx in groups:
+            hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx], self.policy.draft_len(k_blk, slot.head))  # [r, L, H]
+            gl, gp = self.policy.lengths([active[i] for i in idx], hd, k_blk)
+            for j, i in enumerate(idx):
+                hidden[i], lens[i], preds[i] = hd[j], gl[j], gp[j]
+        for i, c in enumerate(chains):
+            if c:
+                lens[i] = 1 + len(c)
         lens = [max(1, min(n, s.req.max_new_tokens - len(s.out))) for n, s in zip(lens, active)]  # never past the budget
         lens = self._fit_budget(lens)
-        if self.policy.drafts:
-            draft_logits = self._draft_logits(groups, hidden, lens)
+        draft_logits = self._draft_logits(groups, hidden, lens)
         drafts, qs = [], []
+        vocab_size = self.target.config.vocab_size
         for i, (s, n) in enumerate(zip(active, lens)):
             d, q = torch.zeros(0, dtype=torch.long, device=dev), None
-            if n > 1:
+            if chains[i]:
+                d = torch.tensor(chains[i][: n - 1], dtype=torch.long, device=dev)
+                if s.req.temperature > 0:  # a deterministic proposal: q is one-hot on it
+                    q = torch.zeros(len(d), vocab_size, device=dev).scatter_(1, d[:, None], 1.0)  # [k, V]
+            elif n > 1:
                 dr = s.slot.drafter
                 d, q = propose(draft_logits[i][: n - 1], s.req.temperature, s.gen, dr.vocab, dr.vocab_size)  # [k], [k, V] or None
             drafts.append(d)
@@ -353,15 +377,16 @@ class Engine:
             before = len(s.out)
             s.rounds.append(Round(anchor=len(s.req.prompt_ids) + before - 1, draft=d.tolist(),
                                   target=lg[:k].argmax(-1).tolist(), accepted=n, verify_len=lens[i], pred=preds[i], t_ns=t_ns,
-                                  hidden=hidden[i].clone() if self.keep_hidden and hidden is not None else None))
+                                  hidden=hidden[i].clone() if self.keep_hidden and hidden[i] is not None else None,
+                                  source="lookup" if chains[i] else "drafter"))
             self._commit(s, d[:n].tolist() + [nxt])
             self.stats["committed"] += len(s.out) - before
             s.ema_verify = (1 - self.ema_alpha) * s.ema_verify + self.ema_alpha * lens[i]
             accepted.append(n)
         if self.policy.drafts:
-            for slot, idx in groups:
+            for slot, idx in self._groups(active, range(len(active))):  # every request's context grows
                 slot.drafter.extend_many([new_feats[i] for i in idx], [active[i].dcache for i in idx])
-        self.policy.observe(active, accepted)
+        self.policy.observe([active[i] for i in drafting], [accepted[i] for i in drafting])
 
     @staticmethod
     def _draft_logits(groups, hidden: list[torch.Tensor], lens: list[int]) -> list[torch.Tensor | None]:
@@ -378,10 +403,11 @@ class Engine:
         return out
 
     @staticmethod
-    def _groups(active: list[RequestState]) -> list[tuple[DrafterSlot, list[int]]]:
+    def _groups(active: list[RequestState], idx) -> list[tuple[DrafterSlot, list[int]]]:
+        """Indices `idx` of `active` grouped by their drafter slot."""
         groups: dict[int, tuple[DrafterSlot, list[int]]] = {}
-        for i, s in enumerate(active):
-            groups.setdefault(id(s.slot), (s.slot, []))[1].append(i)
+        for i in idx:
+            groups.setdefault(id(active[i].slot), (active[i].slot, []))[1].append(i)
         return list(groups.values())
 
     def _fit_budget(self, lens: list[int]) -> list[int]:
@@ -396,7 +422,8 @@ class Engine:
         """A finished request as a trajectory-buffer row (adaflash.buffer.Trajectory)."""
         from adaflash import buffer
 
-        rounds = [buffer.Round(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns) for r in st.rounds]
+        rounds = [buffer.Round(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns)
+                  for r in st.rounds if r.source == "drafter"]  # the buffer describes the drafter
         return buffer.Trajectory(st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out),
                                  rounds, domain=st.req.domain)
 

@@ -151,15 +151,15 @@ def tree_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def lookup_chain(history: list[int], length: int, max_ngram: int = 3) -> list[int]:
+def lookup_chain(history: list[int], length: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Prompt lookup: find the most recent earlier occurrence of the longest suffix n-gram of `history`
-    (n = max_ngram down to 1) and return the up to `length` tokens that followed it ([] if none).
+    (n = max_ngram down to min_ngram) and return the up to `length` tokens that followed it ([] if none).
     Answers often copy spans of their prompt or of themselves (numbers, names, restated questions):
     the block drafter, conditioned on features, misses many of those, a string match does not."""
     if length <= 0 or len(history) < 2:
         return []
     ends = (torch.tensor(history[:-1]) == history[-1]).nonzero().flatten().tolist()  # earlier places of the last token
-    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+    for n in range(min(max_ngram, len(history) - 1), max(min_ngram, 1) - 1, -1):
         tail = history[-n:]
         for j in reversed(ends):  # most recent first; the suffix itself (ending at the last token) excluded
             if j >= n - 1 and history[j - n + 1 : j + 1] == tail:

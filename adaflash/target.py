@@ -217,12 +217,17 @@ class TargetModel(nn.Module):
 
 
     @torch.no_grad()
-    def forward_packed(self, tokens: list[torch.Tensor], caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def forward_packed(self, tokens: list[torch.Tensor], caches: list[KVCache], out: str = "logits"
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Ragged batch: request i appends tokens[i] ([L_i], any L_i) to its own batch-1 cache.
 
         The linear layers run once over all sum(L_i) tokens packed together (no padding to the
         longest); attention runs per request against its own cache with a causal mask.
-        Returns per request (logits [L_i, V] fp32, features [L_i, n*H])."""
+        Returns per request (logits [L_i, V] fp32, features [L_i, n*H]); with `out="last"` logits [1, V]
+        of the last token only: a prefill needs no more, and SmolLM2's LM head costs ~0.5 ms per row on
+        two CPU cores (32 prompts of ~90 tokens: ~1.5 s of logits nobody reads)."""
+        if out not in ("logits", "last"):
+            raise ValueError(f"out must be 'logits' or 'last', got {out!r}")
         lens = [int(t.numel()) for t in tokens]
         dev = self.lm_head.weight.device
         tokens = [t.to(dev) for t in tokens]
@@ -256,9 +261,18 @@ class TargetModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in self.feature_layers:
                 feats.append(x)
-        logits = self.lm_head(self.model.norm(x)).float()[0]  # [N, V]
         feats = torch.cat(feats, dim=-1)[0]  # [N, n*H]
-        return [logits[a:b] for a, b in zip(bounds, bounds[1:])], [feats[a:b] for a, b in zip(bounds, bounds[1:])]
+        feats = [feats[a:b] for a, b in zip(bounds, bounds[1:])]
+        if out == "last":
+            last = torch.tensor([b - 1 for b in bounds[1:]], device=dev)
+            return list(self.logits(self.model.norm(x[0, last])).split(1)), feats  # R x [1, V]
+        logits = self.logits(self.model.norm(x)[0])  # [N, V]
+        return [logits[a:b] for a, b in zip(bounds, bounds[1:])], feats
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [..., H] -> fp32 logits [..., V]."""
+        return self.lm_head(h).float()
 
 
 @dataclass

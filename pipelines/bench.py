@@ -7,7 +7,9 @@ approach), `head` (AdaFlash length head, per request), and the transformers peer
 transformers runs one request at a time, so it is measured at concurrency 1 only). A drafting method
 with the suffix `-fullvocab` (`fixed3-fullvocab`) runs with the drafter's draft vocabulary switched
 off, i.e. drafting from the target's whole vocabulary, to measure what the reduced draft LM head buys
-in the same run. For every domain x concurrency cell the methods run in an
+in the same run. The suffix `-lookup` (`head-lookup`, `ar-lookup`) turns on prompt lookup in the
+engine (`Engine.lookup`): a request whose text ends in an n-gram seen earlier verifies the tokens
+that followed it instead of drafting; `ar-lookup` is prompt lookup alone, with no drafter. For every domain x concurrency cell the methods run in an
 order rotated per cell, so machine noise hits all alike. Each cell keeps `concurrency` requests in
 flight until its prompts are done (a closed loop). With `repeats` > 1 each cell runs every method
 that many times, the order rotated again per repeat: a row reports the median run's throughput and
@@ -33,13 +35,23 @@ from adaflash.layers import prepack
 ENGINE_METHODS = ("ar", "fixed", "ema", "head")
 HF_METHODS = ("hf", "hf-pld")
 FULL_VOCAB = "-fullvocab"  # suffix: the same method drafting from the whole vocabulary
+LOOKUP = "-lookup"  # suffix: the same method with prompt lookup in the engine
+
+
+def split_method(method: str) -> tuple[str, bool, bool]:
+    """'head-lookup-fullvocab' -> (verify policy 'head', lookup on, whole vocabulary)."""
+    full = method.endswith(FULL_VOCAB)
+    base = method.removesuffix(FULL_VOCAB)
+    return base.removesuffix(LOOKUP), base.endswith(LOOKUP), full
 
 
 def known_method(method: str) -> bool:
-    base = method.removesuffix(FULL_VOCAB)
-    if base != method and base in ("ar", *HF_METHODS):
+    if method in HF_METHODS:
+        return True
+    base, _, full = split_method(method)
+    if full and base == "ar":
         return False  # only drafting methods have a draft vocabulary
-    return base in ENGINE_METHODS + HF_METHODS or (base.startswith("fixed") and base[5:].isdigit())
+    return base in ENGINE_METHODS or (base.startswith("fixed") and base[5:].isdigit())
 
 
 @dataclass
@@ -65,12 +77,14 @@ def make_policy(method: str, head=None):
 
 
 def run_engine(method: str, target, drafter, head, prompts: list[BenchPrompt], concurrency: int, max_new: int,
-               eos: list[int], token_budget: int) -> dict:
-    base = method.removesuffix(FULL_VOCAB)
+               eos: list[int], token_budget: int, lookup: tuple[int, int] = (4, 2)) -> dict:
+    """`lookup`: (longest chain, shortest n-gram match) for `-lookup` methods."""
+    base, with_lookup, full_vocab = split_method(method)
     engine = Engine(target, drafter if base != "ar" else None, make_policy(base, head), eos,
-                    max_batch=concurrency, token_budget=token_budget)
+                    max_batch=concurrency, token_budget=token_budget, lookup=lookup[0] if with_lookup else 0,
+                    lookup_min=lookup[1])
     reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
-    full_vocab, vocab = base != method, drafter.vocab if drafter is not None else None
+    vocab = drafter.vocab if drafter is not None else None
     if full_vocab:
         drafter.set_vocab(None)  # draft from the whole vocabulary (the shared, packed LM head)
     try:
@@ -87,7 +101,7 @@ def run_engine(method: str, target, drafter, head, prompts: list[BenchPrompt], c
     drafted, accepted = [0] * 15, [0] * 15
     true_rate, pred_rate = [], []
     for s in states:
-        for r in s.rounds:
+        for r in [r for r in s.rounds if r.source == "drafter"]:
             for j in range(len(r.draft)):
                 drafted[j] += 1
                 accepted[j] += j < r.accepted
@@ -101,6 +115,7 @@ def run_engine(method: str, target, drafter, head, prompts: list[BenchPrompt], c
         "latency_per_token_p50": statistics.median(per_tok), "latency_per_token_p95": sorted(per_tok)[int(0.95 * (len(per_tok) - 1))],
         "n_requests": len(states), "accept_by_position": [a / d if d else None for a, d in zip(accepted, drafted)],
         "head_pred": pred_rate, "head_true": true_rate,
+        "lookup_rounds": sum(r.source == "lookup" for s in states for r in s.rounds) / max(1, rounds),
     }
 
 
@@ -133,7 +148,7 @@ def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, 
 
 def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[str, list[BenchPrompt]],
           methods: list[str], concurrency: list[int], max_new: int, token_budget: int, min_requests: int = 0,
-          repeats: int = 1) -> list[dict]:
+          repeats: int = 1, lookup: tuple[int, int] = (4, 2)) -> list[dict]:
     """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
     prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable.
     `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`."""
@@ -155,7 +170,7 @@ def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[
                 if m in HF_METHODS:
                     r = run_hf(m, hf_model, prompts, conc, max_new, target.eos_ids, pad_id)
                 else:
-                    r = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget)
+                    r = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget, lookup)
                 runs.setdefault(m, []).append(r)
                 bar.update(1)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB, peak of the process so far

@@ -62,7 +62,7 @@ def build_engine(cfg: ServeConfig, target):
     else:
         policy = FixedPolicy(int(policy_name[5:]) if policy_name[5:] else None)
     return Engine(target.model, drafter, policy, target.eos_ids, e.max_batch, e.token_budget, head=head,
-                  version=m.drafter_version)
+                  version=m.drafter_version, lookup=e.lookup, lookup_min=e.lookup_min_ngram)
 
 
 class ServerState:

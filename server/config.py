@@ -43,11 +43,17 @@ class EngineSection:
     max_model_len: int | None = None  # context limit (prompt + max_tokens); default and cap: the target's
     default_max_tokens: int = 256  # max_tokens when a request gives none (capped by the context left)
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    lookup: int = 4  # prompt lookup: verify up to this many tokens copied from earlier text instead of drafting (0 = off)
+    lookup_min_ngram: int = 2  # ... when the text's last N tokens (N = 3 down to this) occurred before
 
     def __post_init__(self):
         _positive("engine", max_batch=self.max_batch, token_budget=self.token_budget, max_queued=self.max_queued,
                   max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens,
                   max_tokens_limit=self.max_tokens_limit)
+        if self.lookup < 0:
+            raise ValueError(f"engine.lookup must be >= 0 (0 = off), got {self.lookup}")
+        if not 1 <= self.lookup_min_ngram <= 3:
+            raise ValueError(f"engine.lookup_min_ngram must be 1, 2 or 3, got {self.lookup_min_ngram}")
 
 
 @dataclass

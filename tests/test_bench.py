@@ -42,12 +42,15 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     from adaflash.pipelines.draft_vocab import write
 
     write(drafter, torch.arange(0, 49152, 2), {"size": 24576})
-    assert main(["bench", *common, "--methods", "ar,fixed,fixed-fullvocab", "--concurrency", "1,3", "--min-requests", "2",
-                 "--out", str(tmp_path / "b2")]) == 0
+    # `-lookup` adds prompt lookup in the engine (ar-lookup: lookup alone), output unchanged
+    assert main(["bench", *common, "--methods", "ar,fixed,fixed-fullvocab,fixed-lookup,ar-lookup", "--concurrency", "1,3",
+                 "--min-requests", "2", "--lookup-len", "3", "--lookup-min-ngram", "1", "--out", str(tmp_path / "b2")]) == 0
     rows = json.loads((tmp_path / "b2" / "results.json").read_text())["rows"]
     assert {(r["concurrency"], r["n_requests"]) for r in rows} == {(1, 2), (3, 3)}
-    assert len({r["committed_tokens"] for r in rows if r["concurrency"] == 3}) == 1 and len(rows) == 6
+    assert len({r["committed_tokens"] for r in rows if r["concurrency"] == 3}) == 1 and len(rows) == 10
+    assert all((r["lookup_rounds"] > 0) == r["method"].endswith("-lookup") for r in rows)
     assert main(["bench", *common, "--methods", "ar-fullvocab"]) == 2
+    assert main(["bench", *common, "--methods", "ar-lookup", "--lookup-min-ngram", "4"]) == 2
     write(drafter, None, None)
     # --repeats: every method runs N times per cell; the row keeps each run and the median of the ratios
     assert main(["bench", *common, "--methods", "ar,fixed", "--concurrency", "2", "--min-requests", "2", "--repeats", "3",

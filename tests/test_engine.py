@@ -150,3 +150,69 @@ def test_cancel_waiting_and_running():
     done = engine.step()
     assert {s.req.request_id: s.finish_reason for s in done} == {"run": "cancelled", "wait": "cancelled"}
     assert engine.idle
+
+
+@pytest.mark.parametrize("policy_name", ["fixed3", "head", "ema", "ar"])
+def test_prompt_lookup_in_the_engine_is_lossless_and_replays_lookup_chain(policy_name):
+    """With lookup on, a request whose text ends in an earlier n-gram verifies the tokens that followed
+    it instead of drafting: output still equals plain decoding, and every round's source and drafts
+    are exactly a replay of spec.lookup_chain over the committed text (drafter rounds otherwise).
+    Only drafter rounds reach the trajectory buffer."""
+    from adaflash.spec import lookup_chain
+
+    target = tiny_target(7, std=0.15)  # falls into loops that lookup predicts
+    drafter = tiny_drafter(target, 7)
+    policy = {"fixed3": FixedPolicy(3), "ema": EMAPolicy(), "head": head_policy(drafter), "ar": ARPolicy()}[policy_name]
+    reqs = make_requests(7, 4)
+    engine = Engine(target, None if policy_name == "ar" else drafter, policy, eos_ids=[5], max_batch=3,
+                    token_budget=200, lookup=4, lookup_min=1)
+    states = engine.run(reqs)
+    n_lookup = n_drafter = 0
+    for r, s in zip(reqs, states):
+        assert s.out == generate_ar(target, r.prompt_ids, r.max_new_tokens, [5]).output_ids, r.request_id
+        a = 1
+        for rd in s.rounds:
+            chain = lookup_chain(r.prompt_ids + s.out[:a], min(4, r.max_new_tokens - a - 1), min_ngram=1)
+            assert rd.source == ("lookup" if chain else "drafter")
+            if chain:
+                assert rd.draft == chain and rd.verify_len == 1 + len(chain) and rd.pred != rd.pred
+                n_lookup += 1
+            else:
+                n_drafter += 1
+            a += rd.accepted + 1
+        buffered = engine.trajectory(s, "w").rounds
+        assert len(buffered) == sum(rd.source == "drafter" for rd in s.rounds)
+    assert n_lookup > 10 and (n_drafter > 10 or policy_name == "ar")
+    assert sum(rd.accepted for s in states for rd in s.rounds if rd.source == "lookup") > 0
+
+
+def test_prompt_lookup_sampling_keeps_target_distribution():
+    """Tokens 2 and 3 of every request come from one lookup round (a deterministic proposal: q one-hot);
+    their empirical distributions must match the target's exact marginals (chi-square, p = 0.001)."""
+    from test_generate import _marginals
+
+    vocab = 8
+    target = tiny_target(5, vocab=vocab, layers=2, std=0.25)
+    prompt = [1, 5, 2, 0, 3, 4, 6, 7]  # every token occurs, so the first output token always has a match
+    m2, m3 = _marginals(target, prompt, vocab)
+    n = 1500
+    reqs = [Request(f"s{i}", prompt, max_new_tokens=4, temperature=1.0, seed=i) for i in range(n)]
+    engine = Engine(target, None, ARPolicy(), eos_ids=[], max_batch=100, token_budget=2000, lookup=2, lookup_min=1)
+    states = engine.run(reqs)
+    assert all(s.rounds[0].source == "lookup" for s in states)
+    for j, exact in ((1, m2), (2, m3)):
+        counts = torch.bincount(torch.tensor([s.out[j] for s in states]), minlength=vocab).double()
+        expected = exact * n
+        chi2 = ((counts - expected) ** 2 / expected.clamp(min=1e-9)).sum().item()
+        assert chi2 < 24.3, (j, chi2, counts, expected)  # 7 degrees of freedom, p = 0.001
+    accepted = sum(s.rounds[0].accepted > 0 for s in states)
+    assert n * 0.05 < accepted < n * 0.95  # both the accept and the residual paths were exercised
+
+
+def test_lookup_arguments_are_checked():
+    target = tiny_target(6)
+    with pytest.raises(ValueError, match="lookup must be >= 0"):
+        Engine(target, None, ARPolicy(), eos_ids=[], lookup=-1)
+    with pytest.raises(ValueError, match="lookup_min 1..3"):
+        Engine(target, None, ARPolicy(), eos_ids=[], lookup=4, lookup_min=0)
+

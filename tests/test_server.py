@@ -188,6 +188,13 @@ def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, t
     assert engine.policy.name == "head" and engine.slot.head is not None
     assert built(tiny_drafter_dir, "fixed2").policy.k == 2 and built(tiny_drafter_dir, "ema").policy.name == "ema"
     assert built(tiny_drafter_dir, "ar").drafter is None
+    # prompt lookup is on by default (engine.lookup 4) and configurable; bad values are refused with the key
+    assert (built(tiny_drafter_dir, "fixed").lookup, built(tiny_drafter_dir, "fixed").lookup_min) == (4, 2)
+    off = build_engine(serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, engine={"lookup": 0}), target)
+    assert off.lookup == 0
+    for bad, msg in (({"lookup": -1}, "engine.lookup must be >= 0"), ({"lookup_min_ngram": 4}, "engine.lookup_min_ngram")):
+        with pytest.raises(ValueError, match=msg):
+            serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, engine=bad)
 
 
 def test_trajectories_flushed_by_age(target, tiny_hf_dir, tiny_drafter_dir, tmp_path):
