@@ -9,8 +9,9 @@ with the suffix `-fullvocab` (`fixed3-fullvocab`) runs with the drafter's draft 
 off, i.e. drafting from the target's whole vocabulary, to measure what the reduced draft LM head buys
 in the same run. The suffix `-lookup` (`head-lookup`, `ar-lookup`) turns on prompt lookup in the
 engine (`Engine.lookup`): a request whose text ends in an n-gram seen earlier verifies the tokens
-that followed it instead of drafting; `ar-lookup` is prompt lookup alone, with no drafter. For every domain x concurrency cell the methods run in an
-order rotated per cell, so machine noise hits all alike. Each cell keeps `concurrency` requests in
+that followed it instead of drafting; `ar-lookup` is prompt lookup alone, with no drafter. For every
+domain x concurrency cell the methods run in an order rotated per cell, so machine noise hits all
+alike. Each cell keeps `concurrency` requests in
 flight until its prompts are done (a closed loop). With `repeats` > 1 each cell runs every method
 that many times, the order rotated again per repeat: a row reports the median run's throughput and
 the median of the per-repeat speedups (one slow stretch of the machine hits one method in one

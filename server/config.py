@@ -43,7 +43,8 @@ class EngineSection:
     max_model_len: int | None = None  # context limit (prompt + max_tokens); default and cap: the target's
     default_max_tokens: int = 256  # max_tokens when a request gives none (capped by the context left)
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
-    lookup: int = 4  # prompt lookup: verify up to this many tokens copied from earlier text instead of drafting (0 = off)
+    lookup: int = 4  # prompt lookup: verify up to this many tokens copied from earlier text instead of drafting
+    # (0 = off; applies to every policy, so policy ar + lookup is prompt-lookup decoding without a drafter)
     lookup_min_ngram: int = 2  # ... when the text's last N tokens (N = 3 down to this) occurred before
 
     def __post_init__(self):
