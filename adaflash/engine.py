@@ -196,6 +196,7 @@ class Engine:
         self.max_batch, self.token_budget, self.ema_alpha = max_batch, token_budget, ema_alpha
         self.keep_hidden = keep_hidden
         self.k_blk = drafter.block_size if drafter is not None else 1
+        self.max_verify = max(self.k_blk, lookup + 1)  # the most tokens a request appends in one step
         self.waiting: deque[Request] = deque()
         self.running: list[RequestState] = []
         self.finished: list[RequestState] = []
@@ -251,7 +252,7 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         limit = self.target.config.max_position_embeddings
-        if len(req.prompt_ids) + req.max_new_tokens + max(self.k_blk, self.lookup + 1) > limit:
+        if len(req.prompt_ids) + req.max_new_tokens + self.max_verify > limit:
             raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
                              f"{req.max_new_tokens} exceeds the target's context of {limit}")
         if len(req.prompt_ids) > self.token_budget:
@@ -274,7 +275,7 @@ class Engine:
         while self.waiting and len(self.running) + len(new) < self.max_batch and len(self.waiting[0].prompt_ids) <= budget:
             req = self.waiting.popleft()
             budget -= len(req.prompt_ids)
-            cap = len(req.prompt_ids) + req.max_new_tokens + max(self.k_blk, self.lookup + 1) + 1
+            cap = len(req.prompt_ids) + req.max_new_tokens + self.max_verify + 1
             st = RequestState(req, self.slot, self.target.new_cache(1, cap),
                               self.drafter.new_cache(1, cap) if self.policy.drafts else None,
                               torch.Generator(device=dev).manual_seed(req.seed), t_start=time.perf_counter())
@@ -282,7 +283,7 @@ class Engine:
             new.append(st)
         if not new:
             return []
-        logits, feats = self.target.forward_packed([torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new], out="last")
+        logits, feats = self.target.forward_packed([torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new], logits_last_only=True)
         if self.policy.drafts:
             self.slot.drafter.extend_many(feats, [s.dcache for s in new])
         for st, lg in zip(new, logits):

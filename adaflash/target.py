@@ -217,17 +217,15 @@ class TargetModel(nn.Module):
 
 
     @torch.no_grad()
-    def forward_packed(self, tokens: list[torch.Tensor], caches: list[KVCache], out: str = "logits"
+    def forward_packed(self, tokens: list[torch.Tensor], caches: list[KVCache], logits_last_only: bool = False
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Ragged batch: request i appends tokens[i] ([L_i], any L_i) to its own batch-1 cache.
 
         The linear layers run once over all sum(L_i) tokens packed together (no padding to the
         longest); attention runs per request against its own cache with a causal mask.
-        Returns per request (logits [L_i, V] fp32, features [L_i, n*H]); with `out="last"` logits [1, V]
-        of the last token only: a prefill needs no more, and SmolLM2's LM head costs ~0.5 ms per row on
-        two CPU cores (32 prompts of ~90 tokens: ~1.5 s of logits nobody reads)."""
-        if out not in ("logits", "last"):
-            raise ValueError(f"out must be 'logits' or 'last', got {out!r}")
+        Returns per request (logits [L_i, V] fp32, features [L_i, n*H]); with `logits_last_only` logits
+        [1, V] of the last token only: a prefill needs no more, and SmolLM2's LM head costs ~0.5 ms per
+        row on two CPU cores (32 prompts of ~90 tokens: ~1.5 s of logits nobody reads)."""
         lens = [int(t.numel()) for t in tokens]
         dev = self.lm_head.weight.device
         tokens = [t.to(dev) for t in tokens]
@@ -263,16 +261,11 @@ class TargetModel(nn.Module):
                 feats.append(x)
         feats = torch.cat(feats, dim=-1)[0]  # [N, n*H]
         feats = [feats[a:b] for a, b in zip(bounds, bounds[1:])]
-        if out == "last":
+        if logits_last_only:
             last = torch.tensor([b - 1 for b in bounds[1:]], device=dev)
-            return list(self.logits(self.model.norm(x[0, last])).split(1)), feats  # R x [1, V]
-        logits = self.logits(self.model.norm(x)[0])  # [N, V]
+            return list(self.lm_head(self.model.norm(x[0, last])).float().split(1)), feats  # R x [1, V]
+        logits = self.lm_head(self.model.norm(x)[0]).float()  # [N, V]
         return [logits[a:b] for a, b in zip(bounds, bounds[1:])], feats
-
-    @torch.no_grad()
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final normed hidden states [..., H] -> fp32 logits [..., V]."""
-        return self.lm_head(h).float()
 
 
 @dataclass
