@@ -5,6 +5,7 @@
   adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
   adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, transformers peers)
   adaflash draft-vocab  draft from the tokens the target emits (smaller draft LM head)
+  adaflash export     a drafter in the DFlash checkpoint format stock engines load (vLLM, SGLang), or back
 """
 
 from __future__ import annotations
@@ -223,6 +224,31 @@ def cmd_fit_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from adaflash.dflash_format import export_dflash
+    from adaflash.drafter import load_drafter
+    from adaflash.length_head import META, WEIGHTS
+    from adaflash.target import load_target, resolve_dtype
+
+    src, out = Path(args.drafter), Path(args.out)
+    if not (src / "config.json").exists():
+        raise UsageError(f"{src} is not a drafter directory (no config.json)")
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"{out} exists and is not empty: pick a new directory")
+    target = load_target(args.target, "float32")
+    drafter = load_drafter(src, target.model, target.identity, torch_dtype := resolve_dtype(args.dtype))
+    if args.format == "dflash":  # a length head stays behind: stock engines verify fixed-length blocks
+        export_dflash(drafter, out, args.mask_token_id, torch_dtype)
+    else:
+        drafter.save(out, torch_dtype)
+        for f in (WEIGHTS, META):  # the length head travels along
+            if (src / f).exists():
+                (out / f).write_bytes((src / f).read_bytes())
+    print(f"[export] {src} -> {out} ({args.format} format, {args.dtype}"
+          f"{', draft vocabulary of %d tokens' % drafter.vocab.numel() if drafter.vocab is not None else ''})")
+    return 0
+
+
 def _add_prompt_args(p: argparse.ArgumentParser, split: str, n: int) -> None:
     p.add_argument("--domains", default="gsm8k,humaneval,aime", help="comma-separated prompt domains")
     p.add_argument("--prompts-file", help="JSONL prompts instead of the built prompt sets (adaflash generate format)")
@@ -310,6 +336,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "trains whole-block heads only")
     _add_prompt_args(f, "train", 64)
     f.set_defaults(func=cmd_fit_head)
+
+    x = sub.add_parser("export", help="write a drafter in the DFlash checkpoint format (vLLM, SGLang) or back in AdaFlash's",
+                       description="Loads DRAFTER (AdaFlash's format, an earlier export, or a z-lab DFlash directory) for the "
+                                   "target and writes it to OUT. --format dflash: config.json with architectures "
+                                   "DFlashDraftModel + Qwen3 fields + dflash_config, model.safetensors, the learned MASK as "
+                                   "vLLM's mask_embedding.pt, a draft vocabulary as lm_head + d2t; stock vLLM runs it with "
+                                   "speculative_config {\"method\": \"dflash\", \"model\": OUT}. --format adaflash: back "
+                                   "to AdaFlash's own directory layout.")
+    x.add_argument("drafter", help="drafter directory to read")
+    x.add_argument("out", help="new directory to write")
+    x.add_argument("--format", choices=["dflash", "adaflash"], default="dflash")
+    x.add_argument("--target", default="smollm2", help="the target the drafter belongs to ('smollm2', a .gguf or an HF dir)")
+    x.add_argument("--mask-token-id", type=int, default=15,
+                   help="placeholder token id of the MASK slot in the DFlash config (vLLM replaces its embedding with "
+                        "the learned mask from mask_embedding.pt; default 15, a special token SmolLM2 never writes)")
+    x.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weight dtype written")
+    x.set_defaults(func=cmd_export)
 
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(sub)

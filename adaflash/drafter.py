@@ -112,6 +112,7 @@ class Drafter(nn.Module):
             embed, head = (lambda ids: F.embedding(ids, emb_w)), frozen_linear(head_w)
         self.__dict__["embed"] = embed
         self.__dict__["lm_head"] = head
+        self.__dict__["target_config"] = target.config  # what an export in the DFlash format records
         self.vocab_size = target.config.vocab_size
         self.set_vocab(self.vocab)
 
@@ -334,20 +335,39 @@ def check_fits(config: DrafterConfig, identity: dict) -> None:
             )
 
 
-def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: str | torch.dtype | None = None) -> Drafter:
-    """Load a drafter directory for `target`; refuses mismatched targets and non-finite weights.
-    `dtype`: None = the target's; "auto" = bf16 where this CPU/GPU runs it fast."""
-    from adaflash.target import resolve_dtype
-
+def _read_adaflash(path: Path) -> tuple[DrafterConfig, dict, torch.Tensor | None]:
+    """An AdaFlash drafter directory -> (config, state dict, draft vocabulary ids or None)."""
     from safetensors.torch import load_file
 
-    path = Path(path)
     if not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
         raise FileNotFoundError(f"{path} is not a drafter directory (needs {CONFIG} and {WEIGHTS})")
     config = load_drafter_config(path)
+    want = json.loads((path / CONFIG).read_text()).get("draft_vocab_size")
+    ids = None
+    if (path / DRAFT_VOCAB).exists():
+        ids = load_file(str(path / DRAFT_VOCAB)).get("ids")
+        if ids is None or (want is not None and ids.numel() != want):
+            raise ValueError(f"{path}/{DRAFT_VOCAB} does not hold the {want} ids config.json names: "
+                             "rebuild it with `adaflash draft-vocab`")
+    elif want:
+        raise FileNotFoundError(f"{path}/config.json names a draft vocabulary of {want} tokens but {DRAFT_VOCAB} is missing")
+    return config, load_file(str(path / WEIGHTS)), ids
+
+
+def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: str | torch.dtype | None = None) -> Drafter:
+    """Load a drafter directory for `target`, in AdaFlash's format or the DFlash checkpoint format
+    (adaflash.dflash_format: an export of ours or a z-lab drafter); refuses mismatched targets and
+    non-finite weights. `dtype`: None = the target's; "auto" = bf16 where this CPU/GPU runs it fast."""
+    from adaflash.dflash_format import is_dflash_dir, read_dflash
+    from adaflash.target import resolve_dtype
+
+    path = Path(path)
+    if is_dflash_dir(path):
+        config, state, ids = read_dflash(path, target.model.embed_tokens.weight, identity)
+    else:
+        config, state, ids = _read_adaflash(path)
     check_fits(config, identity)
     drafter = Drafter(config, target)
-    state = load_file(str(path / WEIGHTS))
     bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         raise ValueError(f"drafter {path} has non-finite weights in {bad[:3]}")
@@ -355,14 +375,7 @@ def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: s
     dtype = resolve_dtype(dtype) if isinstance(dtype, str) else (dtype or target.dtype)
     drafter = drafter.to(dtype).eval().requires_grad_(False)
     drafter.attach(target, dtype)
-    want = json.loads((path / CONFIG).read_text()).get("draft_vocab_size")
-    if (path / DRAFT_VOCAB).exists():
-        ids = load_file(str(path / DRAFT_VOCAB)).get("ids")
-        if ids is None or (want is not None and ids.numel() != want):
-            raise ValueError(f"{path}/{DRAFT_VOCAB} does not hold the {want} ids config.json names: "
-                             "rebuild it with `adaflash draft-vocab`")
+    if ids is not None:
         drafter.set_vocab(ids)
-    elif want:
-        raise FileNotFoundError(f"{path}/config.json names a draft vocabulary of {want} tokens but {DRAFT_VOCAB} is missing")
     prepack(drafter, drafter.lm_head, drafter.draft_head)  # shared LM head (already packed with the target) or copies
     return drafter

@@ -1,0 +1,112 @@
+"""The DFlash checkpoint format (adaflash.dflash_format): export, import, exact round trip, z-lab drafters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from safetensors.torch import load_file, save_file
+
+from adaflash.dflash_format import MASK_FILE, export_dflash, is_dflash_dir
+from adaflash.drafter import load_drafter
+from adaflash.engine import Engine, FixedPolicy, Request
+from adaflash.target import fingerprint
+
+
+def _identity(target):
+    return {"name": "tiny", "fingerprint": fingerprint(target), "vocab_size": 64, "hidden_size": 64, "num_layers": 4}
+
+
+def _saved(tmp_path, target, vocab=None):
+    """A random tiny drafter saved in AdaFlash's format and loaded back (attached to `target`)."""
+    identity = _identity(target)
+    d = tiny_drafter(target, seed=3)
+    d.config.target = identity
+    if vocab is not None:
+        d.set_vocab(vocab)
+    with torch.no_grad():
+        d.mask_embedding.normal_()  # a learned mask unlike any token row
+    return load_drafter(d.save(tmp_path / "ours", dtype=torch.float32), target, identity), identity
+
+
+@pytest.mark.parametrize("vocab", [None, torch.tensor([0, 2, 5, 9, 17, 33, 40, 63])])
+def test_export_writes_the_dflash_layout_and_reads_back_bit_for_bit(tmp_path, vocab):
+    target = tiny_target(0)
+    drafter, identity = _saved(tmp_path, target, vocab)
+    out = export_dflash(drafter, tmp_path / "dflash", mask_token_id=7)
+    meta = json.loads((out / "config.json").read_text())
+    assert is_dflash_dir(out) and not is_dflash_dir(tmp_path / "ours")
+    assert meta["architectures"] == ["DFlashDraftModel"] and meta["model_type"] == "qwen3"
+    assert meta["dflash_config"] == {"block_size": 6, "target_layer_ids": [0, 2], "mask_token_id": 7}
+    assert (meta["num_hidden_layers"], meta["num_target_layers"], meta["head_dim"]) == (2, 4, 16)
+    names = set(load_file(str(out / "model.safetensors")))
+    want = {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight", "layers.1.post_attention_layernorm.weight"}
+    assert want <= names and "embed_tokens.weight" not in names
+    assert ({"lm_head.weight", "d2t"} <= names) == (vocab is not None)
+    pt = torch.load(out / MASK_FILE, weights_only=True)  # what vLLM reads
+    assert pt["mask_token_id"] == 7 and torch.equal(pt["embedding"], drafter.mask_embedding.detach())
+
+    back = load_drafter(out, target, identity)
+    a, b = drafter.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert back.config == drafter.config
+    assert (back.vocab is None and vocab is None) or torch.equal(back.vocab, vocab)
+    reqs = [Request(f"r{i}", [3 + i, 9, 27, 4], 12) for i in range(3)]
+    run = lambda d: [s.out for s in Engine(target, d, FixedPolicy(), []).run(reqs)]  # noqa: E731
+    assert run(back) == run(drafter)
+
+
+def test_a_zlab_drafter_takes_its_mask_from_the_target_embedding_row(tmp_path):
+    """A foreign DFlash directory (no AdaFlash section, no mask tensor, HF 'model.' prefixes) loads as
+    the same drafter whose mask is the target's embedding row mask_token_id."""
+    target = tiny_target(0)
+    drafter, identity = _saved(tmp_path, target)
+    with torch.no_grad():
+        drafter.mask_embedding.copy_(target.model.embed_tokens.weight[11])
+    out = export_dflash(drafter, tmp_path / "zlab", mask_token_id=11)
+    meta = json.loads((out / "config.json").read_text())
+    del meta["adaflash"]
+    (out / "config.json").write_text(json.dumps(meta))
+    state = load_file(str(out / "model.safetensors"))
+    del state["mask_embedding"]
+    save_file({"model." + k: v for k, v in state.items()}, str(out / "model.safetensors"))
+    (out / MASK_FILE).unlink()
+    foreign = load_drafter(out, target, identity)
+    a, b = drafter.state_dict(), foreign.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert foreign.config.block_size == 6 and foreign.config.target_layer_ids == [0, 2] and foreign.config.qk_norm
+
+
+def test_unsupported_dflash_layouts_are_refused(tmp_path):
+    target = tiny_target(0)
+    drafter, identity = _saved(tmp_path, target)
+    out = export_dflash(drafter, tmp_path / "d")
+    meta = json.loads((out / "config.json").read_text())
+    for change, why in [({"dflash_config": {**meta["dflash_config"], "causal": True}}, "causal"),
+                        ({"attention_bias": True}, "attention biases")]:
+        (out / "config.json").write_text(json.dumps({**meta, **change}))
+        with pytest.raises(ValueError, match=why):
+            load_drafter(out, target, identity)
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        export_dflash(drafter, tmp_path / "e", mask_token_id=64)
+    other = tiny_target(1)  # another target: the identity recorded in the export refuses it
+    (out / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="trained for target"):
+        load_drafter(out, other, _identity(other))
+
+
+def test_export_cli_round_trip_and_usage_errors(tmp_path, tiny_hf_dir, tiny_drafter_dir, capsys):
+    from adaflash.cli import main
+
+    out, back = tmp_path / "dflash", tmp_path / "back"
+    assert main(["export", str(tiny_drafter_dir), str(out), "--target", str(tiny_hf_dir), "--dtype", "float32"]) == 0
+    assert is_dflash_dir(out) and (out / MASK_FILE).exists()
+    assert main(["export", str(out), str(back), "--format", "adaflash", "--target", str(tiny_hf_dir), "--dtype", "float32"]) == 0
+    a, b = load_file(str(tiny_drafter_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["export", str(tiny_drafter_dir), str(out), "--target", str(tiny_hf_dir)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x"), "--target", str(tiny_hf_dir)]) == 2
