@@ -22,6 +22,10 @@ Hot-swap: `swap()` (any thread) stages a new drafter (+ length head, version); t
 it live for requests admitted from then on. A running request keeps the drafter it started with,
 because its drafter KV cache was built by that drafter's projections; the old one is dropped when
 its last request finishes. So a swap never stalls a step and never fails a request.
+
+The engine keeps no finished request: `step()` retires them with their KV caches released (the
+state keeps its tokens, rounds and drafter version for the response and the trajectory row) and
+returns them; whoever collects them decides how long they live.
 """
 
 from __future__ import annotations
@@ -79,9 +83,10 @@ class DrafterSlot:
 class RequestState:
     req: Request
     slot: DrafterSlot
-    tcache: KVCache
+    tcache: KVCache | None  # None before admission and once retired
     dcache: KVCache | None
     gen: torch.Generator
+    admitted: bool = False  # prefilled (got a first token); stays True after the caches are released
     out: list[int] = field(default_factory=list)
     rounds: list[Round] = field(default_factory=list)
     ema_verify: float = 0.0
@@ -199,7 +204,6 @@ class Engine:
         self.max_verify = max(self.k_blk, lookup + 1)  # the most tokens a request appends in one step
         self.waiting: deque[Request] = deque()
         self.running: list[RequestState] = []
-        self.finished: list[RequestState] = []
         self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "max_step_tokens": 0, "swaps": 0}
 
     @property
@@ -279,7 +283,7 @@ class Engine:
             st = RequestState(req, self.slot, self.target.new_cache(1, cap),
                               self.drafter.new_cache(1, cap) if self.policy.drafts else None,
                               torch.Generator(device=dev).manual_seed(req.seed), t_start=time.perf_counter())
-            st.ema_verify = float(self.k_blk)
+            st.ema_verify, st.admitted = float(self.k_blk), True
             new.append(st)
         if not new:
             return []
@@ -308,7 +312,8 @@ class Engine:
                 st.finish_reason = "stop"
 
     def step(self) -> list[RequestState]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that finished in it, their KV caches released (the engine
+        keeps no reference to them: a finished request's caches and an old drafter are freed with it)."""
         cancelled = self._apply_control()
         self.running += self._admit()
         active = [s for s in self.running if s.finish_reason is None]
@@ -317,8 +322,8 @@ class Engine:
         done = cancelled + [s for s in self.running if s.finish_reason is not None]
         for s in done:
             s.t_done = time.perf_counter()
+            s.tcache = s.dcache = None
         self.running = [s for s in self.running if s.finish_reason is None]
-        self.finished += done
         self.stats["steps"] += 1
         return done
 
@@ -419,7 +424,8 @@ class Engine:
             lens[i] -= 1
         return lens
 
-    def trajectory(self, st: RequestState, writer_id: str):
+    @staticmethod
+    def trajectory(st: RequestState, writer_id: str):
         """A finished request as a trajectory-buffer row (adaflash.buffer.Trajectory)."""
         from adaflash import buffer
 
@@ -433,7 +439,7 @@ class Engine:
         for r in requests:
             self.submit(r)
         order = {r.request_id: i for i, r in enumerate(requests)}
-        start = len(self.finished)
+        done = []
         while not self.idle:
-            self.step()
-        return sorted(self.finished[start:], key=lambda s: order[s.req.request_id])
+            done += self.step()
+        return sorted(done, key=lambda s: order[s.req.request_id])

@@ -27,11 +27,12 @@ def collect_rounds(target, drafter, prompt_ids: list[list[int]], max_new: int, c
                     keep_hidden=True)
     for i, ids in enumerate(prompt_ids):
         engine.submit(Request(f"fit-{i}", ids, max_new))
-    bar = tqdm(total=len(prompt_ids), desc="collect rounds", unit="prompt")
+    bar, finished = tqdm(total=len(prompt_ids), desc="collect rounds", unit="prompt"), []
     while not engine.idle:
-        bar.update(len(engine.step()))
+        finished += engine.step()
+        bar.update(len(finished) - bar.n)
     bar.close()
-    rounds = [r for s in engine.finished for r in s.rounds if len(r.draft) == k - 1]
+    rounds = [r for s in finished for r in s.rounds if len(r.draft) == k - 1]
     return torch.stack([r.hidden for r in rounds]).float(), torch.tensor([r.accepted for r in rounds])
 
 

@@ -139,11 +139,12 @@ def eval_answers(cfg: ReplayConfig, target, out: Path) -> list[dict]:
     engine = Engine(target.model, None, ARPolicy(), target.eos_ids, max_batch=8, token_budget=ec.max_prompt_tokens * 8)
     for pid, ids in prompts:
         engine.submit(Request(pid, ids, ec.max_new_tokens, domain=ec.domain))
-    bar = tqdm(total=len(prompts), desc="eval answers (target, greedy)", unit="req", leave=False)
+    bar, finished = tqdm(total=len(prompts), desc="eval answers (target, greedy)", unit="req", leave=False), []
     while not engine.idle:
-        bar.update(len(engine.step()))
+        finished += engine.step()
+        bar.update(len(finished) - bar.n)
     bar.close()
-    answers = [{"id": s.req.request_id, "prompt_ids": list(s.req.prompt_ids), "output_ids": list(s.out)} for s in engine.finished]
+    answers = [{"id": s.req.request_id, "prompt_ids": list(s.req.prompt_ids), "output_ids": list(s.out)} for s in finished]
     path.write_text(json.dumps({"key": key, "answers": answers}))
     return answers
 

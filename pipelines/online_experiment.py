@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from adaflash.config import ConfigError, from_dict, to_dict
-from adaflash.engine import Engine, FixedPolicy, HeadPolicy, Request
+from adaflash.engine import Engine, FixedPolicy, HeadPolicy, Request, RequestState
 
 ARMS = ("opd", "osd", "head", "none")  # head: the drafter stays frozen, only its length head learns
 
@@ -177,19 +177,19 @@ class ProbePolicy(FixedPolicy):
 
 
 def serve(target, slot: Slot, policy, prompts: list[Prompt], max_new: int, sc: ServeSection, id_prefix: str,
-          desc: str) -> tuple[Engine, dict]:
-    """Serve prompts through a fresh engine with `slot`'s drafter -> (the engine, its finished requests' stats)."""
+          desc: str) -> tuple[list[RequestState], dict]:
+    """Serve prompts through a fresh engine with `slot`'s drafter -> (the finished requests, their stats)."""
     engine = Engine(target.model, slot.drafter, policy, target.eos_ids, sc.max_batch, sc.token_budget,
                     head=slot.head, version=slot.version)
     for p in prompts:
         engine.submit(Request(f"{id_prefix}-{p.prompt_id}", p.ids, max_new, domain=p.domain))
     t0 = time.perf_counter()
-    bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False)
+    bar, states = tqdm(total=len(prompts), desc=desc, unit="req", leave=False), []
     while not engine.idle:
-        bar.update(len(engine.step()))
+        states += engine.step()
+        bar.update(len(states) - bar.n)
     bar.close()
     wall = time.perf_counter() - t0
-    states = engine.finished
     tokens, rounds = sum(len(s.out) for s in states), sum(len(s.rounds) for s in states)
     k = engine.k_blk
     pairs = [(r.pred, min(1.0, (r.accepted + 1) / k)) for s in states for r in s.rounds
@@ -199,7 +199,7 @@ def serve(target, slot: Slot, policy, prompts: list[Prompt], max_new: int, sc: S
     if getattr(policy, "ref_head", None) is not None:  # the starting head on the same blocks
         ref = [(p, min(1.0, (s.rounds[i].accepted + 1) / k)) for s, i, p in policy.ref if s.rounds[i].verify_len == k]
         st.update({f"start_{key}": v for key, v in head_error(ref).items()})
-    return engine, st
+    return states, st
 
 
 def head_error(pairs: list[tuple[float, float]]) -> dict:
@@ -401,10 +401,10 @@ class Experiment:
         cs = self.cfg.serve
         # fixed: whole blocks, with the head's prediction recorded (its error on live traffic it has not trained on)
         policy = HeadPolicy(slot.head) if cs.policy == "head" and slot.head is not None else ProbePolicy()
-        engine, st = serve(self.target, slot, policy, self.traffic[r - 1], self.cfg.traffic.max_new_tokens, cs,
+        states, st = serve(self.target, slot, policy, self.traffic[r - 1], self.cfg.traffic.max_new_tokens, cs,
                            f"r{r}", f"{arm} traffic r{r}")
         writer = ShardWriter(buf, writer_id, rows_per_shard=10**9, max_age_s=None)
-        writer.extend(engine.trajectory(s, writer_id) for s in engine.finished)
+        writer.extend(Engine.trajectory(s, writer_id) for s in states)
         st["shard"] = writer.close()
         served_path.write_text(json.dumps(st))
         return st

@@ -84,7 +84,7 @@ def request_stats(st: RequestState, policy: str, k_blk: int, handle: Handle) -> 
     hist = [0] * k_blk
     for a in acc:
         hist[min(a, k_blk - 1)] += 1
-    admitted = st.tcache is not None
+    admitted = st.admitted
     return {
         "drafter_version": st.slot.version, "policy": policy, "tau": round(st.tau, 3) if acc else None,
         "rounds": len(acc), "target_forwards": len(acc) + int(admitted),
@@ -269,7 +269,7 @@ class EngineRunner:
         h = self._handles.get(st.req.request_id)
         if h is None:
             return None
-        if not h.admitted and st.tcache is not None:
+        if not h.admitted and st.admitted:
             h.admitted = True
             with self._lock:
                 self._queued -= 1

@@ -48,15 +48,14 @@ def smollm2_dir() -> Path:
     return gguf_to_hf_dir(packaged_gguf())
 
 
-@pytest.fixture(scope="session")
-def tiny_hf_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A 2-layer, 64-wide random Llama with SmolLM2's vocabulary and tokenizer, in HF format."""
+def write_tiny_hf(out: Path, smollm2_dir: Path, **dims) -> Path:
+    """A random 64-wide Llama with SmolLM2's vocabulary and tokenizer, in HF format, in `out`;
+    `dims` override config.json keys (4 layers, 4 heads, 2 KV heads of 16 by default)."""
     from safetensors.torch import save_file
 
-    out = tmp_path_factory.mktemp("tiny-target")
     cfg = json.loads((smollm2_dir / "config.json").read_text())
-    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16)
+    cfg.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, **dims})
     cfg.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(cfg))
     model = TargetModel(TargetConfig.from_hf(cfg))
@@ -69,6 +68,12 @@ def tiny_hf_dir(tmp_path_factory, smollm2_dir) -> Path:
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 4-layer, 64-wide random Llama with SmolLM2's vocabulary and tokenizer, in HF format."""
+    return write_tiny_hf(tmp_path_factory.mktemp("tiny-target"), smollm2_dir)
 
 
 @pytest.fixture(scope="session")

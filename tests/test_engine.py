@@ -123,12 +123,12 @@ def test_swap_between_steps_keeps_running_requests_lossless():
     reqs = [Request(f"r{i}", [1 + i, 2, 3], 24) for i in range(3)]
     for r in reqs[:2]:
         engine.submit(r)
-    engine.step()
+    done = engine.step()
     engine.swap(other, version="2")
     engine.submit(reqs[2])
     while not engine.idle:
-        engine.step()
-    by_id = {s.req.request_id: s for s in engine.finished}
+        done += engine.step()
+    by_id = {s.req.request_id: s for s in done}
     assert engine.stats["swaps"] == 1 and engine.version == "2"
     assert [by_id[r.request_id].slot.version for r in reqs] == ["1", "1", "2"]
     for r in reqs:
@@ -137,6 +137,41 @@ def test_swap_between_steps_keeps_running_requests_lossless():
     traj = engine.trajectory(by_id["r2"], "w0")
     assert traj.drafter_version == "2" and traj.output_ids == by_id["r2"].out
     assert len(traj.rounds) == len(by_id["r2"].rounds) and all(rd.t_ns > 0 for rd in traj.rounds)
+
+
+
+def live(cls) -> int:
+    """Objects of `cls` still reachable after a full collection."""
+    import gc
+
+    gc.collect()
+    return sum(type(o) is cls for o in gc.get_objects())
+
+
+def test_finished_requests_and_swapped_out_drafters_are_freed():
+    """The engine keeps nothing of a finished request: its KV caches are released when step() returns it,
+    and a swapped-out drafter dies with the last request that used it (nothing else holds it)."""
+    import weakref
+
+    from adaflash.target import KVCache
+
+    target = tiny_target(9)
+    engine = Engine(target, tiny_drafter(target, 9), FixedPolicy(), eos_ids=[], max_batch=4, version="1")
+    old = weakref.ref(engine.drafter)
+    engine.submit(Request("old", [1, 2, 3], 30))
+    engine.step()
+    engine.swap(tiny_drafter(target, 10), version="2")  # "old" keeps running on version 1
+    for i in range(3):
+        engine.submit(Request(f"new{i}", [4, 5, 6 + i], 8))
+    done = []
+    while not engine.idle:
+        done += engine.step()
+        assert live(KVCache) == 2 * len(engine.running)  # target + drafter cache of each running request only
+    assert {s.req.request_id: s.admitted for s in done} == {"old": True, "new0": True, "new1": True, "new2": True}
+    assert old() is not None  # the returned state of "old" still names its drafter (version 1)
+    done.clear()
+    live(KVCache)  # a full collection
+    assert old() is None and engine.version == "2"  # the engine held no reference to version 1 or its requests
 
 
 def test_cancel_waiting_and_running():
