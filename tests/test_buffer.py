@@ -335,6 +335,26 @@ def test_retention_delete_never_touches_pending(tmp_path):
     assert [b.name for b in ShardReader(tmp_path).poll()] == shard_files(tmp_path)
 
 
+
+def test_retention_of_named_shards_and_their_commit_tags_survive_a_restart(tmp_path):
+    """What the trainer's retention needs: each consumed shard's round tag and size from the ledger
+    (also in a new reader), and retain(names=...) removing only those consumed shards."""
+    w = ShardWriter(tmp_path, "w0", rows_per_shard=1)
+    for i in range(4):
+        w.append(make_traj(i))
+    r = ShardReader(tmp_path)
+    b = r.poll()
+    r.commit(b[:1], tag=1)
+    r.commit(b[1:3], tag=2)
+    names = [x.name for x in b]
+    sizes = [(tmp_path / n).stat().st_size for n in names]
+    r2 = ShardReader(tmp_path)  # after a restart
+    assert r2.consumed_present() == [(names[0], 1, sizes[0]), (names[1], 2, sizes[1]), (names[2], 2, sizes[2])]
+    out = r2.retain("delete", names=[names[0], names[3]])  # names[3] is pending: never touched
+    assert out["removed"] == [names[0]] and shard_files(tmp_path) == names[1:]
+    assert [n for n, _, _ in ShardReader(tmp_path).consumed_present()] == names[1:3]
+
+
 def test_retention_compact(tmp_path):
     w = ShardWriter(tmp_path, "w0", rows_per_shard=2)
     for i in range(7):

@@ -24,7 +24,8 @@ from adaflash.length_head import LengthHead, LengthHeadConfig
 from adaflash.target import load_target
 from adaflash.trainer.config import OnlineConfig
 from adaflash.trainer.data import Sequence, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
-from adaflash.trainer.online import OnlineModel, OnlineTrainer, clip_per_group, ds_config, gate, refit_head, update_loss
+from adaflash.trainer.online import (OnlineModel, OnlineTrainer, clip_per_group, ds_config, gate, refit_head,
+                                     retired_shards, update_loss)
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS_PER_SHARD = 4
@@ -75,8 +76,14 @@ def trainer_config(tmp_path: Path, served: dict, url: str, hf: Path, drafter_dir
     return path
 
 
-def ledger(buffer: Path) -> list[dict]:
-    return [json.loads(x) for x in (buffer / "_ledger.jsonl").read_text().splitlines() if x.strip()]
+def ledger(buffer: Path, op: str = "consume") -> list[dict]:
+    """The buffer ledger's records of one kind (consume: a round's shards; delete: retention)."""
+    recs = [json.loads(x) for x in (buffer / "_ledger.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in recs if r["op"] == op]
+
+
+def shard_files(buffer: Path) -> list[str]:
+    return sorted(p.name for p in buffer.glob("*.parquet"))
 
 
 def history(ckpt: Path) -> list[dict]:
@@ -141,10 +148,24 @@ def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
                         ("buffer:\n  min_new_round: 5\n", "unknown key.*min_new_round"),
                         ("train:\n  replay_rounds: -1\n", "replay_rounds must be >= 0"),
                         ("gate:\n  heldout_rounds: -2\n", "heldout_rounds must be >= 0"),
-                        ("train:\n  head_refit_epochs: 5\ndeepspeed:\n  zero_stage: 2\n", "head_refit_epochs needs deepspeed.zero_stage 0")]:
+                        ("train:\n  head_refit_epochs: 5\ndeepspeed:\n  zero_stage: 2\n", "head_refit_epochs needs deepspeed.zero_stage 0"),
+                        ("retention:\n  policy: shred\n", r"retention: policy must be one of \('keep', 'delete', 'compact'\)"),
+                        ("retention:\n  policy: delete\n  keep_rounds: -1\n", "keep_rounds must be >= 0"),
+                        ("retention:\n  policy: delete\n  max_bytes: -5\n", "max_bytes must be >= 0 or null"),
+                        ("retention:\n  keep_rounds: 3\n", "with policy 'keep' nothing is removed")]:
         bad.write_text(text)
         with pytest.raises(ConfigError, match=match):
             load_config(bad, OnlineConfig)
+
+
+def test_retention_keeps_the_newest_rounds_under_the_byte_cap():
+    consumed = [("a", 1, 10), ("b", 1, 10), ("c", 2, 30), ("d", 3, 5), ("e", None, 1)]  # (name, round, bytes), oldest first
+    assert retired_shards(consumed, 3, 0, None) == ["a", "b", "c", "d", "e"]
+    assert retired_shards(consumed, 3, 1, None) == ["a", "b", "c", "e"]  # round 3 stays; untagged never count as kept
+    assert retired_shards(consumed, 3, 2, None) == ["a", "b", "e"]
+    assert retired_shards(consumed, 3, 3, 35) == ["e", "a", "b"]  # 55 bytes kept > 35: the oldest go until 35 fit
+    assert retired_shards(consumed, 3, 3, 34) == ["e", "a", "b", "c"]
+    assert retired_shards(consumed, 3, 3, 1000) == ["e"] and retired_shards([], 5, 0, 0) == []
 
 
 def test_cli_help_explains_the_loop(capsys):
@@ -380,11 +401,13 @@ def test_head_only_rounds_leave_the_drafter_as_served_and_fit_the_head(tmp_path,
 
 def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monkeypatch, served, mlflow_server,
                                                                   tiny_hf_dir, tiny_drafter_dir):
-    """Three crash windows over the same 2 rounds of data. A: a real `adaflash train` process, kill -9'd during
+    """Four crash windows over the same 2 rounds of data. A: a real `adaflash train` process, kill -9'd during
     round 2's steps, then restarted. B: dies between writing state.json and the ledger commit of round 1, and
-    its restart dies again between registering round 1 and moving the champion alias. Each shard ends up in
-    exactly one finished round, committed once, one version per round, and A and B publish identical round-2
-    weights (a shard trained twice, or skipped, would change them)."""
+    its restart dies again between registering round 1 and moving the champion alias; round 2 dies in retention,
+    between the ledger's delete record and the file's removal. Each shard ends up in exactly one finished round,
+    committed once, one version per round, and A and B publish identical round-2 weights (a shard trained twice,
+    or skipped, would change them). Retention removes exactly the consumed shards it no longer keeps (A keeps the
+    newest round, B none), finishes a removal a kill interrupted, and never touches the pending shard."""
     from mlflow import MlflowClient
 
     from adaflash.registry import Registry
@@ -415,9 +438,11 @@ def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monk
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "recovering" not in out.stdout and "round 2:" in out.stdout
     assert MlflowClient(mlflow_server).get_run(killed_run.pop()).info.status == "KILLED"
+    assert shard_files(a / "buffer") == served["shards"][1:]  # keep_rounds 1: round 1's shard went after round 2
 
     # B: die after state.json, before the ledger commit of round 1; restart, then round 2
-    cfg = load_config(trainer_config(b, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "killed-b"), OnlineConfig)
+    cfg = load_config(trainer_config(b, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "killed-b",
+                                     retention={"keep_rounds": 0}), OnlineConfig)
     trainer = OnlineTrainer(cfg, log=lambda _: None)
 
     def die(*args, **kwargs):
@@ -433,12 +458,23 @@ def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monk
         with pytest.raises(KeyboardInterrupt):
             OnlineTrainer(cfg, log=lambda _: None)
     assert [(r["shard"], r["tag"]) for r in ledger(b / "buffer")] == [(shards[0], 1)]
+    assert shard_files(b / "buffer") == served["shards"]  # retention runs once the round is published
     lines = []
     trainer = OnlineTrainer(cfg, log=lines.append)  # restart 2 finds the version by its run: no second one
     assert any("recovering round 1" in x for x in lines)
     reg_b = Registry(mlflow_server, "killed-b")
     assert [v["version"] for v in reg_b.versions()] == ["1"] and reg_b.champion() == "1"
-    assert trainer.run(1) == 1
+    assert shard_files(b / "buffer") == served["shards"][1:]
+    # round 2 dies in retention: its shard is recorded deleted in the ledger but still on disk
+    with monkeypatch.context() as m:
+        m.setattr(ShardReader, "_remove_consumed", die)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.run(1)
+    assert [r["shard"] for r in ledger(b / "buffer", "delete")] == shards and shard_files(b / "buffer") == served["shards"][1:]
+    lines = []
+    trainer = OnlineTrainer(cfg, log=lines.append)  # restart 3: the removal is finished, nothing is retrained
+    assert shard_files(b / "buffer") == served["shards"][2:] and not any("recovering" in x for x in lines)
+    assert trainer._take_round() == served["shards"][2:]  # the next round gets the pending shard only
 
     for run in (a, b):
         assert [(e["shard"], e["tag"]) for e in ledger(run / "buffer")] == [(shards[0], 1), (shards[1], 2)]

@@ -45,6 +45,32 @@ class BufferSection:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
 
 
+RETENTION_POLICIES = ("keep", "delete", "compact")
+
+
+@dataclass
+class RetentionSection:
+    """What happens to buffer shards once a round has trained on them and the ledger committed them. The round
+    memory keeps its own copy of the trajectories it replays (trainer/memory.py), so nothing the trainer
+    reads needs a consumed shard; these keep some for inspection or `adaflash experiment replay`."""
+
+    policy: str = "keep"  # "keep": consumed shards stay forever; "delete": removed; "compact": concatenated into
+    #                       an archive in <buffer>/_compacted/ each time (fewer files; the rows are kept)
+    keep_rounds: int = 0  # the newest N rounds' shards stay in the buffer (0 = removed as soon as committed)
+    max_bytes: int | None = None  # and consumed shards left in the buffer stay under this size (oldest go first)
+
+    def __post_init__(self):
+        if self.policy not in RETENTION_POLICIES:
+            raise ValueError(f"policy must be one of {RETENTION_POLICIES}, got {self.policy!r}")
+        if self.keep_rounds < 0:
+            raise ValueError(f"keep_rounds must be >= 0 (0 = remove a round's shards once committed), got {self.keep_rounds}")
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or null (no cap), got {self.max_bytes}")
+        if self.policy == "keep" and (self.keep_rounds or self.max_bytes is not None):
+            raise ValueError("keep_rounds and max_bytes limit what policy 'delete' or 'compact' removes; "
+                             "with policy 'keep' nothing is removed: set the policy or drop them")
+
+
 LOSS_KINDS = ("opd", "osd", "head")
 
 
@@ -152,6 +178,7 @@ class OnlineConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     mlflow: MlflowSection = field(default_factory=MlflowSection)
     gate: GateSection = field(default_factory=GateSection)
+    retention: RetentionSection = field(default_factory=RetentionSection)
     max_rounds: int = 0  # update rounds to run before exiting; 0 = forever
 
     def __post_init__(self):

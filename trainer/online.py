@@ -14,12 +14,15 @@ One update round:
      into the round memory, state.json with the round's shards and what is left to publish, THEN
      `reader.commit(shards, tag=round)`
   6. publish: register the version, move the champion alias or tag it rejected, close the MLflow run
+  7. retention (`retention`): delete or compact the consumed shards of rounds it no longer keeps
 
 Exactly-once: weights that include a shard become durable (checkpoint + state.json) before the ledger
 records the shard, and a restart resumes from exactly those weights. A kill before step 5 leaves the
 shards uncommitted and the checkpoint without them: they are retrained once. A kill between state.json
 and the ledger commit is completed on restart from state.json (no retraining); a kill during publish is
 finished on restart, looking the version up by its MLflow run first so it is registered once.
+Retention touches committed shards only (the round memory holds its own copy of what it replays), and
+records a removal in the ledger before the file goes: a kill part-way is finished at the next start.
 
 Before each round the trainer follows the registry: if `champion` was moved by someone else (a rollback
 in the MLflow UI), it loads that version and trains from it (`drafter.follow_champion`).
@@ -172,6 +175,21 @@ def gate(before: dict, after: dict, tolerance: float, min_blocks: int) -> tuple[
     return False, f"held-out tau {before['tau']:.3f} -> {after['tau']:.3f} < {need:.3f} (tau before - gate.tolerance)"
 
 
+def retired_shards(consumed: list[tuple[str, object, int]], r: int, keep_rounds: int, max_bytes: int | None) -> list[str]:
+    """Consumed shards retention removes after round r: (name, round tag, bytes), oldest first -> names.
+    A shard of round j goes once j <= r - keep_rounds (untagged ones at once); then the oldest of the
+    rest go while the consumed shards left exceed max_bytes."""
+    old = [n for n, tag, _ in consumed if not isinstance(tag, int) or tag <= r - keep_rounds]
+    rest = [(n, size) for n, tag, size in consumed if n not in old]
+    left = sum(size for _, size in rest)
+    for n, size in rest:
+        if max_bytes is None or left <= max_bytes:
+            break
+        old.append(n)
+        left -= size
+    return old
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -237,6 +255,7 @@ class OnlineTrainer:
         if self.rank == 0:
             self.reader = ShardReader(cfg.buffer.dir)
             self._recover()
+            self._retain()
         self._waiting: list = []  # polled shards not yet in a round (rank 0)
         self._refused: set[str] = set()  # champions moved in from outside that do not fit
         self._reported = -1  # verification rounds waiting at the last "waiting for data" line
@@ -274,6 +293,17 @@ class OnlineTrainer:
             self.client.set_terminated(run, "KILLED")
             self.state["inflight_run"] = None
             _write_json_atomic(self.state_path, self.state)
+
+    def _retain(self) -> None:
+        """Apply `retention` to the consumed shards of the rounds up to the last committed one (rank 0)."""
+        rc = self.cfg.retention
+        if rc.policy == "keep":
+            return
+        names = retired_shards(self.reader.consumed_present(), self.state["round"], rc.keep_rounds, rc.max_bytes)
+        if names:
+            out = self.reader.retain(rc.policy, names)
+            self.log(f"[train] retention: {rc.policy} {len(out['removed'])} consumed shard(s)"
+                     + (f" into {out['archive']}" if out["archive"] else ""))
 
     def _load_weights(self, tag: str) -> None:
         path, _ = self.engine.load_checkpoint(str(self.ckpt), tag=tag)
@@ -414,6 +444,7 @@ class OnlineTrainer:
             self._publish()
             self._cleanup()
             self.memory.prune(r, self.memory_rounds)
+            self._retain()
         self._barrier()
         return summary
 

@@ -62,7 +62,8 @@ class ShardReader:
         self.quarantine_dir = Path(quarantine_dir) if quarantine_dir else self.root / "_quarantine"
         self.archive_dir = Path(archive_dir) if archive_dir else self.root / "_compacted"
         self._lock = threading.RLock()
-        self._consumed: dict[str, int] = {}  # shard name -> rows
+        self._consumed: dict[str, int] = {}  # shard name -> rows, in ledger (consumption) order
+        self._tags: dict[str, Any] = {}  # shard name -> the tag it was committed with
         self._removed: set[str] = set()  # consumed shards deleted or compacted away
         self._compacted: dict[str, int] = {}  # archive file name -> rows
         self._inflight: dict[str, int] = {}  # polled, not committed: name -> rows
@@ -93,6 +94,7 @@ class ShardReader:
         op = rec.get("op")
         if op == "consume":
             self._consumed[rec["shard"]] = int(rec.get("rows", 0))
+            self._tags[rec["shard"]] = rec.get("tag")
         elif op == "delete":
             self._removed.add(rec["shard"])
         elif op == "compact":
@@ -246,12 +248,21 @@ class ShardReader:
     def _consumed_present(self) -> list[str]:
         return [n for n in self._visible_shards() if n in self._consumed]
 
-    def retain(self, policy: str = "delete") -> dict[str, Any]:
-        """Apply retention to consumed shards only; pending shards are never touched.
+    def consumed_present(self) -> list[tuple[str, Any, int]]:
+        """Consumed shards still in the buffer as (name, commit tag, bytes), oldest commit first."""
+        with self._lock:
+            present = set(self._consumed_present())
+            return [(n, self._tags.get(n), (self.root / n).stat().st_size) for n in self._consumed if n in present]
+
+    def retain(self, policy: str = "delete", names: Iterable[str] | None = None) -> dict[str, Any]:
+        """Apply retention to consumed shards only (those in ``names``, or all); pending shards are
+        never touched.
 
         ``"delete"``: remove consumed shards.  ``"compact"``: concatenate them into one Parquet
         archive in ``archive_dir`` (atomic; its sources are recorded in its metadata and in the
         ledger, which marks the archive consumed) and then remove them.  ``"keep"``: nothing.
+        A crash part-way is safe: the ledger records a removal before the file goes, a removed
+        shard is consumed either way, and the next ``retain`` finishes what is left.
         """
         if policy not in ("delete", "compact", "keep"):
             raise ValueError(f"unknown retention policy {policy!r}")
@@ -259,7 +270,8 @@ class ShardReader:
             self._recover_compactions()
             if policy == "keep":
                 return {"policy": policy, "removed": [], "archive": None}
-            names = self._consumed_present()
+            wanted = None if names is None else set(names)
+            names = [n for n in self._consumed_present() if wanted is None or n in wanted]
             if not names:
                 return {"policy": policy, "removed": [], "archive": None}
             archive = None
