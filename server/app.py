@@ -212,11 +212,11 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
                        registry=None if state.swapper is None else state.swapper.metrics())
         return out
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/completions", dependencies=[Depends(auth)], openapi_extra=P.openapi_body(chat=False))
     async def completions(request: HTTPRequest):
         return await generate(request, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)], openapi_extra=P.openapi_body(chat=True))
     async def chat_completions(request: HTTPRequest):
         return await generate(request, chat=True)
 
@@ -226,7 +226,7 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
     async def generate(request: HTTPRequest, chat: bool):
         runner = serving()
         tok = state.target.tokenizer
-        params = P.parse_request(P.parse_body(await request.body()), chat, state.limits, state.target.encode_chat,
+        params = P.parse_request(P.parse_body(await read_body(request)), chat, state.limits, state.target.encode_chat,
                                  tok.encode)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         req = Request(rid, params.prompt_ids, params.max_tokens, params.temperature, params.seed, params.domain,
@@ -251,6 +251,18 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
         finish = "stop" if text.stopped else outcome.finish_reason
         return P.response(rid, cfg.model.name, chat, body, finish,
                           P.usage(len(params.prompt_ids), len(outcome.output_ids)), outcome.stats)
+
+    async def read_body(request: HTTPRequest) -> bytes:
+        """The body; 413 past P.body_limit (the rest is read and dropped, so the client still gets the answer)."""
+        cap, size, parts = P.body_limit(state.limits), 0, []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= cap:
+                parts.append(chunk)
+        if size > cap:
+            raise P.APIError(413, f"the request body has {size} bytes; this server takes at most {cap} "
+                             "(room for a prompt of engine.token_budget tokens)", code="body_too_large")
+        return b"".join(parts)
 
     def failed(outcome: Outcome) -> None:
         if outcome.finish_reason == "error":

@@ -24,6 +24,41 @@ CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) - {"be
 COMPLETION_KEYS = COMMON | {"prompt"} | set(NEUTRAL) - {"top_logprobs", "response_format"}
 
 
+def request_schema(chat: bool) -> dict:
+    """JSON Schema of a (chat) completion request body, as published in the OpenAPI document. It states the
+    types, ranges and keys `parse_request` accepts; limits that depend on the loaded model (context length,
+    max_tokens_limit, vocabulary) are checked there only."""
+    nullable = lambda t, **kw: {"type": [t, "null"], **kw}  # noqa: E731
+    text = {"type": "string", "minLength": 1}
+    props = {
+        "model": {"type": "string"}, "max_tokens": nullable("integer", minimum=1),
+        "temperature": nullable("number", minimum=0, maximum=2), "n": {"enum": [1, None]},
+        "stream": nullable("boolean"), "stream_options": nullable("object", properties={"include_usage": {"type": "boolean"}}),
+        "stop": {"anyOf": [text, {"type": "array", "items": text, "maxItems": 4}, {"type": "null"}]},
+        "seed": nullable("integer", minimum=-(2**63), maximum=2**63 - 1),
+        "metadata": nullable("object", additionalProperties={"type": "string"}), "user": nullable("string"),
+        **{k: {"enum": list(v)} for k, v in NEUTRAL.items()},
+    }
+    if chat:
+        part = {"type": "object", "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+        message = {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": list(ROLES)}, "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+        props.update(messages={"type": "array", "items": message, "minItems": 1},
+                     max_completion_tokens=nullable("integer", minimum=1))
+    else:
+        props["prompt"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+                                     {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
+    allowed = CHAT_KEYS if chat else COMPLETION_KEYS
+    return {"type": "object", "required": ["model", "messages" if chat else "prompt"], "additionalProperties": False,
+            "properties": {k: v for k, v in props.items() if k in allowed}}
+
+
+def openapi_body(chat: bool) -> dict:
+    """`openapi_extra` of a generation route: its request body (the handler reads the raw body itself)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": request_schema(chat)}}}}
+
+
 class APIError(Exception):
     """An HTTP error in OpenAI's JSON shape."""
 
@@ -68,13 +103,25 @@ class Limits:
     vocab_size: int
 
 
+def body_limit(limits: Limits) -> int:
+    """Largest request body accepted (bytes): a prompt of token_budget tokens at 256 bytes a token (long
+    tokens, JSON escapes) plus 64 KiB for the other fields. A larger prompt would be refused anyway, but only
+    after tokenizing it on the event loop: 17 s for 10 MB, with every other client stalled."""
+    return 256 * limits.token_budget + (1 << 16)
+
+
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON or bytes, an integer of > 4300 digits, nesting too deep
         raise bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object", code="invalid_json")
+    try:  # a lone surrogate escape ("\ud800") is no text: the tokenizer, Parquet and the response JSON refuse it
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise bad(f"request body is not valid Unicode text: {e.reason} at {e.object[e.start:e.end]!r}",
+                  code="invalid_json") from None
     return body
 
 
