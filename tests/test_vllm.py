@@ -221,8 +221,9 @@ def test_rows_from_vllm_replay_to_the_same_acceptance(served, target):
 
     url, client, _, _, tmp, _ = served
     _wait_version(url, "1", 60)
-    ids = {client.completions.create(model="smollm2", prompt=f"Explain step by step: what is {7 + i} times 12?",
-                                     max_tokens=MAX_TOKENS, temperature=0).id for i in range(3)}
+    ids = {client.chat.completions.create(model="smollm2", max_tokens=2 * MAX_TOKENS, temperature=0, messages=[
+        {"role": "user", "content": f"Tom has {7 + i} boxes of 12 apples and sells 5 apples. How many are left? "
+                                    "Explain step by step."}]).id for i in range(3)}
     deadline = time.monotonic() + 30  # rows of earlier tests were drafted by other versions: these three only
     while len(rows := [t for b in ShardReader(tmp / "buffer").poll() for t in b.trajectories() if t.request_id in ids]) < 3:
         assert time.monotonic() < deadline, "trajectory rows were not flushed"
