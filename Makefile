@@ -42,6 +42,8 @@ $(VLLM_STAMP):
 vllm: $(VLLM_STAMP)
 
 test: install vllm
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -ra
 
 test-fast: install

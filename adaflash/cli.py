@@ -1,11 +1,11 @@
 """`adaflash` command line: one entry point, one subcommand per job.
 
-  adaflash generate   plain or speculative generation for prompts (text or JSONL), with statistics
-  adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
-  adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
-  adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, transformers peers)
-  adaflash draft-vocab  draft from the tokens the target emits (smaller draft LM head)
-  adaflash export     a drafter in the DFlash checkpoint format stock engines load (vLLM, SGLang), or back
+adaflash generate   plain or speculative generation for prompts (text or JSONL), with statistics
+adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
+adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
+adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, transformers peers)
+adaflash draft-vocab  draft from the tokens the target emits (smaller draft LM head)
+adaflash export     a drafter in the DFlash checkpoint format stock engines load (vLLM, SGLang), or back
 """
 
 from __future__ import annotations
@@ -40,14 +40,17 @@ def read_prompts_file(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
-            raise UsageError(f"{path}:{n}: each line needs exactly one of \"prompt\" (string) or \"messages\" (list)")
+            raise UsageError(f'{path}:{n}: each line needs exactly one of "prompt" (string) or "messages" (list)')
         if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
-            raise UsageError(f"{path}:{n}: \"prompt\" must be a non-empty string")
+            raise UsageError(f'{path}:{n}: "prompt" must be a non-empty string')
         if "messages" in obj:
             msgs = obj["messages"]
-            if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                            and isinstance(m.get("content"), str) for m in msgs)):
-                raise UsageError(f"{path}:{n}: \"messages\" must be a non-empty list of {{role, content}} strings")
+            if not (
+                isinstance(msgs, list)
+                and msgs
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
+            ):
+                raise UsageError(f'{path}:{n}: "messages" must be a non-empty list of {{role, content}} strings')
         items.append({"messages": obj.get("messages") or obj["prompt"], "domain": obj.get("domain")})
     if not items:
         raise UsageError(f"prompts file {path} holds no prompts")
@@ -86,8 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tree is None:  # default: the fastest measured setting on a CPU, greedy only
         tree = CPU_TREE if on_cpu and args.temperature == 0 and args.verify_len is None else 0
     if args.lookup and not tree:
-        raise UsageError("--lookup grafts a prompt-lookup branch into a token tree: greedy decoding with --tree N "
-                         "(the CPU default) only")
+        raise UsageError("--lookup grafts a prompt-lookup branch into a token tree: greedy decoding with --tree N (the CPU default) only")
     lookup = (LOOKUP if args.lookup is None else args.lookup) if tree else 0
     for i, item in enumerate(items):
         ids = target.encode_chat(item["messages"])
@@ -98,23 +100,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if drafter is None:
             res = generate_ar(target.model, ids, args.max_new_tokens, target.eos_ids, args.temperature, args.seed)
         else:
-            res = generate_dflash(target.model, drafter, ids, args.max_new_tokens, target.eos_ids, args.temperature,
-                                  args.seed, verify_len=verify_len, tree=tree or None, lookup=lookup)
+            res = generate_dflash(
+                target.model,
+                drafter,
+                ids,
+                args.max_new_tokens,
+                target.eos_ids,
+                args.temperature,
+                args.seed,
+                verify_len=verify_len,
+                tree=tree or None,
+                lookup=lookup,
+            )
         text = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         if args.json:
-            print(json.dumps({
-                "index": i, "domain": item["domain"], "method": args.method, "output_ids": res.output_ids,
-                "text": text, "tree": (tree or None) if drafter else None,
-                "lookup": lookup if drafter else None, "tau": round(res.tau, 3), "target_forwards": res.target_forwards,
-                "tokens": len(res.output_ids), "wall_s": round(res.wall_s, 3),
-                "tokens_per_s": round(len(res.output_ids) / res.wall_s, 2),
-                "accept_by_position": [None if a != a else round(a, 3) for a in res.accept_by_position],
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "index": i,
+                        "domain": item["domain"],
+                        "method": args.method,
+                        "output_ids": res.output_ids,
+                        "text": text,
+                        "tree": (tree or None) if drafter else None,
+                        "lookup": lookup if drafter else None,
+                        "tau": round(res.tau, 3),
+                        "target_forwards": res.target_forwards,
+                        "tokens": len(res.output_ids),
+                        "wall_s": round(res.wall_s, 3),
+                        "tokens_per_s": round(len(res.output_ids) / res.wall_s, 2),
+                        "accept_by_position": [None if a != a else round(a, 3) for a in res.accept_by_position],
+                    }
+                ),
+                flush=True,
+            )
         else:
             print(text)
-            print(f"--- {args.method}: {len(res.output_ids)} tokens in {res.wall_s:.2f}s "
-                  f"({len(res.output_ids) / res.wall_s:.1f} tok/s), tau {res.tau:.2f}, "
-                  f"{res.target_forwards} target forwards", file=sys.stderr)
+            print(
+                f"--- {args.method}: {len(res.output_ids)} tokens in {res.wall_s:.2f}s "
+                f"({len(res.output_ids) / res.wall_s:.1f} tok/s), tau {res.tau:.2f}, "
+                f"{res.target_forwards} target forwards",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -165,8 +192,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not known_method(m)]
     if bad:
-        raise UsageError(f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK, "
-                         "a method + '-lookup' (prompt lookup), or a drafting method + '-fullvocab'")
+        raise UsageError(
+            f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK, "
+            "a method + '-lookup' (prompt lookup), or a drafting method + '-fullvocab'"
+        )
     try:
         concurrency = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
@@ -193,13 +222,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         path = gguf_to_hf_dir(packaged_gguf()) if args.target == "smollm2" else args.target
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.model.dtype).eval()
     prompts = _bench_prompts(args, target)
-    rows = bench(target, drafter, head, hf_model, target.tokenizer.pad_token_id or target.eos_ids[0],
-                 prompts, methods, concurrency, args.max_new_tokens, args.token_budget, args.min_requests, args.repeats,
-                 (args.lookup_len, args.lookup_min_ngram))
-    meta = {"command": "adaflash " + " ".join(sys.argv[1:]), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-            f"torch threads {__import__('torch').get_num_threads()}", "max_new_tokens": args.max_new_tokens,
-            "token_budget": args.token_budget, "target": target.identity, "dtype": args.dtype, "repeats": args.repeats,
-            "lookup_len": args.lookup_len, "lookup_min_ngram": args.lookup_min_ngram}
+    rows = bench(
+        target,
+        drafter,
+        head,
+        hf_model,
+        target.tokenizer.pad_token_id or target.eos_ids[0],
+        prompts,
+        methods,
+        concurrency,
+        args.max_new_tokens,
+        args.token_budget,
+        args.min_requests,
+        args.repeats,
+        (args.lookup_len, args.lookup_min_ngram),
+    )
+    meta = {
+        "command": "adaflash " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
+        "max_new_tokens": args.max_new_tokens,
+        "token_budget": args.token_budget,
+        "target": target.identity,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "lookup_len": args.lookup_len,
+        "lookup_min_ngram": args.lookup_min_ngram,
+    }
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
     return 0
@@ -218,8 +266,18 @@ def cmd_fit_head(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
     prompts = _bench_prompts(args, target)
     ids = [p.ids for ps in prompts.values() for p in ps]
-    metrics = fit_head(target.model, drafter, Path(args.drafter), ids, args.max_new_tokens, args.concurrency,
-                       target.eos_ids, args.epochs, args.lr, draft_len=args.draft_len)
+    metrics = fit_head(
+        target.model,
+        drafter,
+        Path(args.drafter),
+        ids,
+        args.max_new_tokens,
+        args.concurrency,
+        target.eos_ids,
+        args.epochs,
+        args.lr,
+        draft_len=args.draft_len,
+    )
     print(json.dumps(metrics, indent=2))
     return 0
 
@@ -244,8 +302,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         for f in (WEIGHTS, META):  # the length head travels along
             if (src / f).exists():
                 (out / f).write_bytes((src / f).read_bytes())
-    print(f"[export] {src} -> {out} ({args.format} format, {args.dtype}"
-          f"{', draft vocabulary of %d tokens' % drafter.vocab.numel() if drafter.vocab is not None else ''})")
+    print(
+        f"[export] {src} -> {out} ({args.format} format, {args.dtype}"
+        f"{', draft vocabulary of %d tokens' % drafter.vocab.numel() if drafter.vocab is not None else ''})"
+    )
     return 0
 
 
@@ -265,9 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="adaflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate with plain decoding (ar) or DFlash speculative decoding",
-                       description="Generate answers with the target alone (--method ar) or with the block drafter "
-                                   "(--method dflash). Greedy DFlash output equals ar output token for token.")
+    g = sub.add_parser(
+        "generate",
+        help="generate with plain decoding (ar) or DFlash speculative decoding",
+        description="Generate answers with the target alone (--method ar) or with the block drafter "
+        "(--method dflash). Greedy DFlash output equals ar output token for token.",
+    )
     g.add_argument("--method", choices=["ar", "dflash"], default="dflash")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="one user message (the chat template is applied)")
@@ -275,82 +338,132 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (still lossless)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--verify-len", type=int, default=None,
-                   help=f"tokens per verification incl. the anchor (default: {CPU_VERIFY_LEN} on a CPU, where verifying "
-                        "drafts that are rejected costs time; the whole block on a GPU)")
-    g.add_argument("--tree", type=int, default=None,
-                   help="greedy only: verify the N most likely draft paths as a token tree (several candidates per "
-                        f"block position) in one target forward; accepts more per round than one chain (default: "
-                        f"{CPU_TREE} on a CPU when greedy and no --verify-len; 0 = one chain)")
-    g.add_argument("--lookup", type=int, default=None,
-                   help="trees only: also verify the up to L tokens that followed the last earlier occurrence of the "
-                        "text's final 1-3 tokens (prompt lookup: answers copy numbers, names and phrases from the "
-                        f"prompt); default {LOOKUP} with a tree, 0 = none")
+    g.add_argument(
+        "--verify-len",
+        type=int,
+        default=None,
+        help=f"tokens per verification incl. the anchor (default: {CPU_VERIFY_LEN} on a CPU, where verifying "
+        "drafts that are rejected costs time; the whole block on a GPU)",
+    )
+    g.add_argument(
+        "--tree",
+        type=int,
+        default=None,
+        help="greedy only: verify the N most likely draft paths as a token tree (several candidates per "
+        f"block position) in one target forward; accepts more per round than one chain (default: "
+        f"{CPU_TREE} on a CPU when greedy and no --verify-len; 0 = one chain)",
+    )
+    g.add_argument(
+        "--lookup",
+        type=int,
+        default=None,
+        help="trees only: also verify the up to L tokens that followed the last earlier occurrence of the "
+        "text's final 1-3 tokens (prompt lookup: answers copy numbers, names and phrases from the "
+        f"prompt); default {LOOKUP} with a tree, 0 = none",
+    )
     g.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
     g.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter directory (config.json + model.safetensors)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="target dtype; float32 keeps greedy speculative output identical to plain decoding")
-    g.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"],
-                   help="drafter dtype (auto: bf16 where fast); drafts need not be exact, so output is unaffected")
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "auto"],
+        help="target dtype; float32 keeps greedy speculative output identical to plain decoding",
+    )
+    g.add_argument(
+        "--drafter-dtype",
+        default="auto",
+        choices=["float32", "bfloat16", "auto"],
+        help="drafter dtype (auto: bf16 where fast); drafts need not be exact, so output is unaffected",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 
-    t = sub.add_parser("pretrain", help="offline pretraining pipeline of the initial drafter",
-                       description="Stages: prompts, regenerate, train, export, eval. Each resumes where it stopped.")
+    t = sub.add_parser(
+        "pretrain",
+        help="offline pretraining pipeline of the initial drafter",
+        description="Stages: prompts, regenerate, train, export, eval. Each resumes where it stopped.",
+    )
     t.add_argument("--config", required=True, help="YAML, e.g. configs/pretrain_smollm2.yaml")
     t.add_argument("--stage", default="all", help="comma-separated stages or 'all'")
     t.set_defaults(func=cmd_pretrain)
 
-    b = sub.add_parser("bench", help="compare methods side by side in one run (tokens/s, tau, speedup, latency)",
-                       description="Runs every method on the same prompts, interleaved per cell; writes results.json, "
-                                   "report.md and PNG plots into --out.")
-    b.add_argument("--methods", default="ar,fixed,ema,head,hf,hf-pld",
-                   help="ar, fixed, fixedK, ema, head, hf, hf-pld; an engine method + '-lookup' (head-lookup) adds "
-                        "prompt lookup (ar-lookup: lookup alone); a drafting method + '-fullvocab' (head-fullvocab) "
-                        "ignores the drafter's draft vocabulary")
+    b = sub.add_parser(
+        "bench",
+        help="compare methods side by side in one run (tokens/s, tau, speedup, latency)",
+        description="Runs every method on the same prompts, interleaved per cell; writes results.json, report.md and PNG plots into --out.",
+    )
+    b.add_argument(
+        "--methods",
+        default="ar,fixed,ema,head,hf,hf-pld",
+        help="ar, fixed, fixedK, ema, head, hf, hf-pld; an engine method + '-lookup' (head-lookup) adds "
+        "prompt lookup (ar-lookup: lookup alone); a drafting method + '-fullvocab' (head-fullvocab) "
+        "ignores the drafter's draft vocabulary",
+    )
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--token-budget", type=int, default=512, help="max verify tokens per engine step (admission bound)")
     b.add_argument("--out", default="runs/bench", help="output folder")
     b.add_argument("--lookup-len", type=int, default=4, help="-lookup methods: longest copied chain verified per round")
-    b.add_argument("--lookup-min-ngram", type=int, default=2,
-                   help="-lookup methods: the text's last N tokens (N = 3 down to this) must have occurred before")
-    b.add_argument("--min-requests", type=int, default=0,
-                   help="each cell runs max(this, concurrency) prompts of its domain (0 = all --n-prompts)")
-    b.add_argument("--repeats", type=int, default=1,
-                   help="runs per method and cell, order rotated each time; rows report the median (3 steadies ratios "
-                        "on a noisy machine)")
+    b.add_argument(
+        "--lookup-min-ngram",
+        type=int,
+        default=2,
+        help="-lookup methods: the text's last N tokens (N = 3 down to this) must have occurred before",
+    )
+    b.add_argument(
+        "--min-requests", type=int, default=0, help="each cell runs max(this, concurrency) prompts of its domain (0 = all --n-prompts)"
+    )
+    b.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per method and cell, order rotated each time; rows report the median (3 steadies ratios on a noisy machine)",
+    )
     _add_prompt_args(b, "eval", 8)
     b.set_defaults(func=cmd_bench)
 
-    f = sub.add_parser("fit-head", help="offline fit of the length head on recorded verification rounds",
-                       description="Records full-block verification rounds on training prompts with the drafter frozen, "
-                                   "fits the head (MSE on (accepted+1)/K) and saves it beside the drafter with held-out metrics.")
+    f = sub.add_parser(
+        "fit-head",
+        help="offline fit of the length head on recorded verification rounds",
+        description="Records full-block verification rounds on training prompts with the drafter frozen, "
+        "fits the head (MSE on (accepted+1)/K) and saves it beside the drafter with held-out metrics.",
+    )
     f.add_argument("--max-new-tokens", type=int, default=128)
     f.add_argument("--concurrency", type=int, default=8)
     f.add_argument("--epochs", type=int, default=30)
     f.add_argument("--lr", type=float, default=2e-4)
-    f.add_argument("--draft-len", type=int, default=None,
-                   help="fit the head on blocks of this many positions (anchor + drafts; default the drafter's "
-                        "block size): serving then drafts and verifies at most that many. The online trainer "
-                        "trains whole-block heads only")
+    f.add_argument(
+        "--draft-len",
+        type=int,
+        default=None,
+        help="fit the head on blocks of this many positions (anchor + drafts; default the drafter's "
+        "block size): serving then drafts and verifies at most that many. The online trainer "
+        "trains whole-block heads only",
+    )
     _add_prompt_args(f, "train", 64)
     f.set_defaults(func=cmd_fit_head)
 
-    x = sub.add_parser("export", help="write a drafter in the DFlash checkpoint format (vLLM, SGLang) or back in AdaFlash's",
-                       description="Loads DRAFTER (AdaFlash's format, an earlier export, or a z-lab DFlash directory) for the "
-                                   "target and writes it to OUT. --format dflash: config.json with architectures "
-                                   "DFlashDraftModel + Qwen3 fields + dflash_config, model.safetensors, the learned MASK as "
-                                   "vLLM's mask_embedding.pt, a draft vocabulary as lm_head + d2t; stock vLLM runs it with "
-                                   "speculative_config {\"method\": \"dflash\", \"model\": OUT}. --format adaflash: back "
-                                   "to AdaFlash's own directory layout.")
+    x = sub.add_parser(
+        "export",
+        help="write a drafter in the DFlash checkpoint format (vLLM, SGLang) or back in AdaFlash's",
+        description="Loads DRAFTER (AdaFlash's format, an earlier export, or a z-lab DFlash directory) for the "
+        "target and writes it to OUT. --format dflash: config.json with architectures "
+        "DFlashDraftModel + Qwen3 fields + dflash_config, model.safetensors, the learned MASK as "
+        "vLLM's mask_embedding.pt, a draft vocabulary as lm_head + d2t; stock vLLM runs it with "
+        'speculative_config {"method": "dflash", "model": OUT}. --format adaflash: back '
+        "to AdaFlash's own directory layout.",
+    )
     x.add_argument("drafter", help="drafter directory to read")
     x.add_argument("out", help="new directory to write")
     x.add_argument("--format", choices=["dflash", "adaflash"], default="dflash")
     x.add_argument("--target", default="smollm2", help="the target the drafter belongs to ('smollm2', a .gguf or an HF dir)")
-    x.add_argument("--mask-token-id", type=int, default=15,
-                   help="placeholder token id of the MASK slot in the DFlash config (vLLM replaces its embedding with "
-                        "the learned mask from mask_embedding.pt; default 15, a special token SmolLM2 never writes)")
+    x.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=15,
+        help="placeholder token id of the MASK slot in the DFlash config (vLLM replaces its embedding with "
+        "the learned mask from mask_embedding.pt; default 15, a special token SmolLM2 never writes)",
+    )
     x.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weight dtype written")
     x.set_defaults(func=cmd_export)
 
@@ -361,8 +474,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that live beside their component: each module has register(subparsers), which adds one
 # or more subparsers with set_defaults(func=...) (the func returns an exit code, raises UsageError).
-COMMAND_MODULES: list[str] = ["adaflash.registry_cli", "adaflash.server.cli", "adaflash.loadgen", "adaflash.up", "adaflash.trainer.cli",
-                              "adaflash.pipelines.experiment_cli", "adaflash.pipelines.draft_vocab"]
+COMMAND_MODULES: list[str] = [
+    "adaflash.registry_cli",
+    "adaflash.server.cli",
+    "adaflash.loadgen",
+    "adaflash.up",
+    "adaflash.trainer.cli",
+    "adaflash.pipelines.experiment_cli",
+    "adaflash.pipelines.draft_vocab",
+]
 
 
 def main(argv: list[str] | None = None) -> int:

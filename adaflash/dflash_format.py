@@ -80,8 +80,7 @@ def dflash_config(config, target_config, vocab: torch.Tensor | None, mask_token_
         "torch_dtype": dtype,
         "block_size": c.block_size,
         "num_target_layers": t.num_layers,
-        "dflash_config": {"block_size": c.block_size, "target_layer_ids": list(c.target_layer_ids),
-                          "mask_token_id": mask_token_id},
+        "dflash_config": {"block_size": c.block_size, "target_layer_ids": list(c.target_layer_ids), "mask_token_id": mask_token_id},
         "adaflash": asdict(c),
     }
 
@@ -96,19 +95,19 @@ def export_dflash(drafter, out: str | Path, mask_token_id: int = DEFAULT_MASK_TO
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or drafter.fc.weight.dtype
-    state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}  # fc, hidden_norm, layers.*, norm, mask_embedding
+    state = {
+        k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()
+    }  # fc, hidden_norm, layers.*, norm, mask_embedding
     vocab = drafter.vocab
     if vocab is not None:  # the drafter's own reduced head: those rows of the target's head
         ids = vocab.cpu()
         state["lm_head.weight"] = drafter.draft_head.weight.detach().to(dtype).cpu().contiguous()  # [Vd, H]
         state["d2t"] = (ids - torch.arange(ids.numel())).contiguous()  # [Vd]: target id = draft id + d2t
     save_file({k: v.cpu() for k, v in state.items()}, str(out / WEIGHTS), metadata={"format": "pt"})
-    meta = dflash_config(drafter.config, drafter_target_config(drafter), vocab, mask_token_id,
-                         str(dtype).removeprefix("torch."))
+    meta = dflash_config(drafter.config, drafter_target_config(drafter), vocab, mask_token_id, str(dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     # vLLM reads a separately trained mask from this file (torch.load, weights_only)
-    torch.save({"mask_token_id": mask_token_id, "embedding": state["mask_embedding"].float().cpu().clone()},
-               out / MASK_FILE)
+    torch.save({"mask_token_id": mask_token_id, "embedding": state["mask_embedding"].float().cpu().clone()}, out / MASK_FILE)
     return out
 
 
@@ -154,14 +153,19 @@ def read_dflash(path: str | Path, embed_weight: torch.Tensor, identity: dict):
             raise ValueError(f"{path}: RoPE scaling {rope} is not supported")
         heads = meta["num_attention_heads"]
         config = DrafterConfig(
-            hidden_size=meta["hidden_size"], intermediate_size=meta["intermediate_size"],
-            num_layers=meta["num_hidden_layers"], num_heads=heads, num_kv_heads=meta.get("num_key_value_heads", heads),
+            hidden_size=meta["hidden_size"],
+            intermediate_size=meta["intermediate_size"],
+            num_layers=meta["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=meta.get("num_key_value_heads", heads),
             head_dim=meta.get("head_dim") or meta["hidden_size"] // heads,
             target_layer_ids=list(dcfg.get("target_layer_ids") or meta.get("target_layer_ids") or []),
             block_size=int(dcfg.get("block_size") or meta.get("block_size") or 16),
             rope_theta=float(rope.get("rope_theta", meta.get("rope_theta", 10000.0))),
             rms_norm_eps=float(meta.get("rms_norm_eps", 1e-6)),
-            qk_norm="layers.0.self_attn.q_norm.weight" in state, target=dict(identity))
+            qk_norm="layers.0.self_attn.q_norm.weight" in state,
+            target=dict(identity),
+        )
     if "mask_embedding" not in state:
         state["mask_embedding"] = _foreign_mask(path, dcfg, embed_weight)
     vocab = None

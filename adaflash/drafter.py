@@ -59,8 +59,9 @@ class DrafterConfig:
             raise ValueError(f"mask must be 'learned', got {self.mask!r}")
 
     @classmethod
-    def for_target(cls, target: TargetModel, identity: dict, num_layers: int = 3, block_size: int = 16,
-                   qk_norm: bool = True) -> "DrafterConfig":
+    def for_target(
+        cls, target: TargetModel, identity: dict, num_layers: int = 3, block_size: int = 16, qk_norm: bool = True
+    ) -> "DrafterConfig":
         """A drafter in the target's own style and width, conditioned on the target's feature layers."""
         c = target.config
         return cls(
@@ -123,8 +124,10 @@ class Drafter(nn.Module):
             ids = torch.as_tensor(ids, dtype=torch.long).flatten()
             v = self.vocab_size
             if ids.numel() == 0 or bool((ids < 0).any() or (ids >= v).any()) or bool((ids[1:] <= ids[:-1]).any()):
-                raise ValueError(f"a draft vocabulary must be sorted, unique, non-empty ids in [0, {v}), "
-                                 f"got {ids.numel()} ids: rebuild it with `adaflash draft-vocab`")
+                raise ValueError(
+                    f"a draft vocabulary must be sorted, unique, non-empty ids in [0, {v}), "
+                    f"got {ids.numel()} ids: rebuild it with `adaflash draft-vocab`"
+                )
             ids = ids.to(self.lm_head.weight.device)
         self.vocab = ids
         head = self.lm_head
@@ -347,8 +350,7 @@ def _read_adaflash(path: Path) -> tuple[DrafterConfig, dict, torch.Tensor | None
     if (path / DRAFT_VOCAB).exists():
         ids = load_file(str(path / DRAFT_VOCAB)).get("ids")
         if ids is None or (want is not None and ids.numel() != want):
-            raise ValueError(f"{path}/{DRAFT_VOCAB} does not hold the {want} ids config.json names: "
-                             "rebuild it with `adaflash draft-vocab`")
+            raise ValueError(f"{path}/{DRAFT_VOCAB} does not hold the {want} ids config.json names: rebuild it with `adaflash draft-vocab`")
     elif want:
         raise FileNotFoundError(f"{path}/config.json names a draft vocabulary of {want} tokens but {DRAFT_VOCAB} is missing")
     return config, load_file(str(path / WEIGHTS)), ids

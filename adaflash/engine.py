@@ -184,9 +184,21 @@ class HeadPolicy(VerifyPolicy):
 
 
 class Engine:
-    def __init__(self, target: TargetModel, drafter: Drafter | None, policy: VerifyPolicy, eos_ids: list[int],
-                 max_batch: int = 32, token_budget: int = 512, ema_alpha: float = 0.3, keep_hidden: bool = False,
-                 head=None, version: str = "0", lookup: int = 0, lookup_min: int = 2):
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Drafter | None,
+        policy: VerifyPolicy,
+        eos_ids: list[int],
+        max_batch: int = 32,
+        token_budget: int = 512,
+        ema_alpha: float = 0.3,
+        keep_hidden: bool = False,
+        head=None,
+        version: str = "0",
+        lookup: int = 0,
+        lookup_min: int = 2,
+    ):
         if policy.drafts and drafter is None:
             raise ValueError(f"policy {policy.name} needs a drafter")
         if lookup < 0 or not 1 <= lookup_min <= 3:
@@ -257,10 +269,14 @@ class Engine:
     def submit(self, req: Request) -> None:
         limit = self.target.config.max_position_embeddings
         if len(req.prompt_ids) + req.max_new_tokens + self.max_verify > limit:
-            raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
-                             f"{req.max_new_tokens} exceeds the target's context of {limit}")
+            raise ValueError(
+                f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
+                f"{req.max_new_tokens} exceeds the target's context of {limit}"
+            )
         if len(req.prompt_ids) > self.token_budget:
-            raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens exceeds the step token budget {self.token_budget}")
+            raise ValueError(
+                f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens exceeds the step token budget {self.token_budget}"
+            )
         self.waiting.append(req)
 
     @property
@@ -280,14 +296,21 @@ class Engine:
             req = self.waiting.popleft()
             budget -= len(req.prompt_ids)
             cap = len(req.prompt_ids) + req.max_new_tokens + self.max_verify + 1
-            st = RequestState(req, self.slot, self.target.new_cache(1, cap),
-                              self.drafter.new_cache(1, cap) if self.policy.drafts else None,
-                              torch.Generator(device=dev).manual_seed(req.seed), t_start=time.perf_counter())
+            st = RequestState(
+                req,
+                self.slot,
+                self.target.new_cache(1, cap),
+                self.drafter.new_cache(1, cap) if self.policy.drafts else None,
+                torch.Generator(device=dev).manual_seed(req.seed),
+                t_start=time.perf_counter(),
+            )
             st.ema_verify, st.admitted = float(self.k_blk), True
             new.append(st)
         if not new:
             return []
-        logits, feats = self.target.forward_packed([torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new], logits_last_only=True)
+        logits, feats = self.target.forward_packed(
+            [torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new], logits_last_only=True
+        )
         if self.policy.drafts:
             self.slot.drafter.extend_many(feats, [s.dcache for s in new])
         for st, lg in zip(new, logits):
@@ -331,8 +354,10 @@ class Engine:
         """Prompt-lookup chain per request ([] = none, or lookup off), never past max_new_tokens."""
         if not self.lookup:
             return [[] for _ in active]
-        return [lookup_chain(s.req.prompt_ids + s.out, min(self.lookup, s.req.max_new_tokens - len(s.out) - 1),
-                             min_ngram=self.lookup_min) for s in active]
+        return [
+            lookup_chain(s.req.prompt_ids + s.out, min(self.lookup, s.req.max_new_tokens - len(s.out) - 1), min_ngram=self.lookup_min)
+            for s in active
+        ]
 
     def _speculate(self, active: list[RequestState]) -> None:
         k_blk = self.k_blk
@@ -381,10 +406,19 @@ class Engine:
             s.tcache.crop(s.tcache.length - (k - n))
             new_feats.append(feats[i][: 1 + n])
             before = len(s.out)
-            s.rounds.append(Round(anchor=len(s.req.prompt_ids) + before - 1, draft=d.tolist(),
-                                  target=lg[:k].argmax(-1).tolist(), accepted=n, verify_len=lens[i], pred=preds[i], t_ns=t_ns,
-                                  hidden=hidden[i].clone() if self.keep_hidden and hidden[i] is not None else None,
-                                  source="lookup" if chains[i] else "drafter"))
+            s.rounds.append(
+                Round(
+                    anchor=len(s.req.prompt_ids) + before - 1,
+                    draft=d.tolist(),
+                    target=lg[:k].argmax(-1).tolist(),
+                    accepted=n,
+                    verify_len=lens[i],
+                    pred=preds[i],
+                    t_ns=t_ns,
+                    hidden=hidden[i].clone() if self.keep_hidden and hidden[i] is not None else None,
+                    source="lookup" if chains[i] else "drafter",
+                )
+            )
             self._commit(s, d[:n].tolist() + [nxt])
             self.stats["committed"] += len(s.out) - before
             s.ema_verify = (1 - self.ema_alpha) * s.ema_verify + self.ema_alpha * lens[i]
@@ -429,10 +463,12 @@ class Engine:
         """A finished request as a trajectory-buffer row (adaflash.buffer.Trajectory)."""
         from adaflash import buffer
 
-        rounds = [buffer.Round(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns)
-                  for r in st.rounds if r.source == "drafter"]  # the buffer describes the drafter
-        return buffer.Trajectory(st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out),
-                                 rounds, domain=st.req.domain)
+        rounds = [
+            buffer.Round(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns) for r in st.rounds if r.source == "drafter"
+        ]  # the buffer describes the drafter
+        return buffer.Trajectory(
+            st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds, domain=st.req.domain
+        )
 
     def run(self, requests: list[Request]) -> list[RequestState]:
         """Submit all, step until every request finished; -> states in submission order."""

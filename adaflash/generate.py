@@ -57,8 +57,12 @@ def check_length(model: TargetModel, n_prompt: int, max_new_tokens: int, block: 
 
 @torch.no_grad()
 def generate_ar(
-    model: TargetModel, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int],
-    temperature: float = 0.0, seed: int = 0,
+    model: TargetModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> GenerationResult:
     """Plain decoding: one target forward per token (the denominator of every speedup)."""
     check_length(model, len(prompt_ids), max_new_tokens)
@@ -81,8 +85,15 @@ def generate_ar(
 
 @torch.no_grad()
 def generate_dflash(
-    model: TargetModel, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int],
-    temperature: float = 0.0, seed: int = 0, verify_len: int | None = None, tree: int | None = None,
+    model: TargetModel,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    temperature: float = 0.0,
+    seed: int = 0,
+    verify_len: int | None = None,
+    tree: int | None = None,
     lookup: int = 0,
 ) -> GenerationResult:
     """Speculative decoding with the block drafter: draft K-1 tokens in one pass, verify up to
@@ -94,8 +105,9 @@ def generate_dflash(
     k_blk = drafter.block_size
     n_verify = min(verify_len or k_blk, k_blk) - 1  # drafts verified per round
     if tree is not None and (tree < 1 or temperature > 0):
-        raise ValueError("tree verification needs tree >= 1 node and greedy decoding (temperature 0); "
-                         "sample with a chain (verify_len) instead")
+        raise ValueError(
+            "tree verification needs tree >= 1 node and greedy decoding (temperature 0); sample with a chain (verify_len) instead"
+        )
     if lookup < 0 or (lookup and tree is None):
         raise ValueError("lookup needs a token tree (tree >= 1) and a length >= 0")
     check_length(model, len(prompt_ids), max_new_tokens, k_blk)
@@ -140,8 +152,9 @@ def generate_dflash(
     return res
 
 
-def _tree_round(model: TargetModel, drafter: Drafter, tcache, dcache, last: torch.Tensor, depth: int,
-                n_nodes: int, chain: list[int]) -> tuple[list[int], int, int]:
+def _tree_round(
+    model: TargetModel, drafter: Drafter, tcache, dcache, last: torch.Tensor, depth: int, n_nodes: int, chain: list[int]
+) -> tuple[list[int], int, int]:
     """One greedy tree round: draft `depth` block positions, verify the best `n_nodes` paths plus the
     lookup `chain` in one target forward, keep the accepted path's K/V in both caches;
     -> (accepted drafts, next token, tree depth)."""

@@ -76,8 +76,7 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], out.shape[-1])  # [..., out]
 
     def _packable(self, x: torch.Tensor) -> bool:
-        return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == self.weight.dtype
-                and self._packs())
+        return not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == self.weight.dtype and self._packs()
 
     def _packs(self) -> bool:
         """Whether this weight has a packed CPU form at all (CPU, a dtype oneDNN runs here)."""

@@ -59,9 +59,7 @@ class LengthHeadConfig:
         if self.block_size < 2:
             raise ValueError(f"LengthHeadConfig.block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
         if not 1 <= self.min_len <= self.block_size:
-            raise ValueError(
-                f"LengthHeadConfig.min_len must be in [1, block_size={self.block_size}], got {self.min_len}"
-            )
+            raise ValueError(f"LengthHeadConfig.min_len must be in [1, block_size={self.block_size}], got {self.min_len}")
         if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)):
             raise ValueError(f"LengthHeadConfig.rate must be a float, got {self.rate!r}")
         self.rate = float(self.rate)
@@ -225,9 +223,7 @@ def fit_length_head(
     """
     block_size = head.config.block_size if block_size is None else block_size
     if feats.dim() != 3 or feats.shape[-1] != head.config.hidden_size:
-        raise ValueError(
-            f"feats must be [N, K, H={head.config.hidden_size}], got {tuple(feats.shape)}"
-        )
+        raise ValueError(f"feats must be [N, K, H={head.config.hidden_size}], got {tuple(feats.shape)}")
     n = feats.shape[0]
     if accepted.shape != (n,):
         raise ValueError(f"accepted must be [N] = [{n}], got {tuple(accepted.shape)}")

@@ -105,8 +105,7 @@ def phase_at(phases: list[Phase], t: float) -> int:
     return len(phases) - 1
 
 
-def load_pools(prompt_sets: Path | None, split: str, prompts_file: Path | None,
-               domains: set[str]) -> dict[str, list[list[dict]]]:
+def load_pools(prompt_sets: Path | None, split: str, prompts_file: Path | None, domains: set[str]) -> dict[str, list[list[dict]]]:
     """Chat messages per domain, for the domains the schedule uses."""
     pools: dict[str, list[list[dict]]] = {}
     if prompts_file is not None:
@@ -132,8 +131,10 @@ def load_pools(prompt_sets: Path | None, split: str, prompts_file: Path | None,
         source = str(path)
     missing = sorted(domains - set(pools))
     if missing:
-        raise ValueError(f"no prompts for domain(s) {missing} in {source} (found: {sorted(pools)}); "
-                         f"for aime use --split eval, for a JSONL file set \"domain\" on its lines")
+        raise ValueError(
+            f"no prompts for domain(s) {missing} in {source} (found: {sorted(pools)}); "
+            f'for aime use --split eval, for a JSONL file set "domain" on its lines'
+        )
     return {d: pools[d] for d in domains}
 
 
@@ -163,7 +164,7 @@ def _retry_after(resp: requests.Response | None, attempt: int) -> float:
             return max(0.0, min(60.0, float(resp.headers.get("Retry-After", ""))))
         except ValueError:
             pass
-    return min(10.0, 0.5 * 2 ** attempt)
+    return min(10.0, 0.5 * 2**attempt)
 
 
 def served_model(base_url: str, headers: dict) -> str:
@@ -173,12 +174,14 @@ def served_model(base_url: str, headers: dict) -> str:
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (requests.RequestException, KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"cannot list models at {base_url}/v1/models ({type(e).__name__}: {e}); is `adaflash serve` "
-                         "running there? (or pass --model)") from None
+        raise ValueError(
+            f"cannot list models at {base_url}/v1/models ({type(e).__name__}: {e}); is `adaflash serve` running there? (or pass --model)"
+        ) from None
 
 
-def send_one(url: str, body: dict, headers: dict, timeout: float, max_retries: int,
-             stop: threading.Event) -> tuple[dict | None, int | None, int, str | None]:
+def send_one(
+    url: str, body: dict, headers: dict, timeout: float, max_retries: int, stop: threading.Event
+) -> tuple[dict | None, int | None, int, str | None]:
     """POST one chat completion with retries -> (response JSON, HTTP status, retries, error)."""
     attempt = 0
     while True:
@@ -227,11 +230,15 @@ class LoadGen:
         return phase, domain, self.pools[domain][order[i % len(order)]]
 
     def _request(self, t: float, phase: int, domain: str, messages: list[dict]) -> None:
-        body = {"model": self.args.model, "messages": messages, "max_tokens": self.args.max_tokens,
-                "temperature": self.args.temperature, "metadata": {"domain": domain}}
+        body = {
+            "model": self.args.model,
+            "messages": messages,
+            "max_tokens": self.args.max_tokens,
+            "temperature": self.args.temperature,
+            "metadata": {"domain": domain},
+        }
         start = time.monotonic()
-        data, status, retries, error = send_one(self.url, body, self.headers, self.args.timeout, self.args.max_retries,
-                                                self.stop)
+        data, status, retries, error = send_one(self.url, body, self.headers, self.args.timeout, self.args.max_retries, self.stop)
         res = Result(t, time.monotonic() - start, domain, phase, data is not None, status, retries, error=error)
         if data is not None:
             stats = data.get("adaflash") or {}
@@ -254,12 +261,14 @@ class LoadGen:
             ok = [r for r in recent if r.ok]
             taus = [r.tau for r in ok if r.tau is not None]
             versions = sorted({r.drafter_version for r in ok if r.drafter_version is not None})
-            line = (f"loadgen t={t:.0f}s phase {phase_at(self.phases, t) + 1}/{len(self.phases)} "
-                    f"({self.phases[phase_at(self.phases, t)].describe()}) sent {self.sent} done {len(self.results)} "
-                    f"in-flight {self.in_flight} | last {self.args.report_every:.0f}s: {len(ok)} ok "
-                    f"{len(recent) - len(ok)} failed, {sum(r.completion_tokens for r in ok) / self.args.report_every:.1f} tok/s"
-                    + (f", tau {statistics.fmean(taus):.2f}" if taus else "")
-                    + (f", drafter {','.join(versions)}" if versions else ""))
+            line = (
+                f"loadgen t={t:.0f}s phase {phase_at(self.phases, t) + 1}/{len(self.phases)} "
+                f"({self.phases[phase_at(self.phases, t)].describe()}) sent {self.sent} done {len(self.results)} "
+                f"in-flight {self.in_flight} | last {self.args.report_every:.0f}s: {len(ok)} ok "
+                f"{len(recent) - len(ok)} failed, {sum(r.completion_tokens for r in ok) / self.args.report_every:.1f} tok/s"
+                + (f", tau {statistics.fmean(taus):.2f}" if taus else "")
+                + (f", drafter {','.join(versions)}" if versions else "")
+            )
         print(line, file=sys.stderr, flush=True)
 
     def run(self, duration_s: float | None, max_requests: int | None) -> float:
@@ -299,12 +308,18 @@ def _stats(rs: list[Result], wall_s: float) -> dict:
     taus = [r.tau for r in ok if r.tau is not None]
     lat = sorted(r.latency_s for r in ok)
     tokens = sum(r.completion_tokens for r in ok)
-    return {"requests": len(rs), "ok": len(ok), "failed": len(rs) - len(ok), "retries": sum(r.retries for r in rs),
-            "completion_tokens": tokens, "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
-            "mean_tau": round(statistics.fmean(taus), 3) if taus else None,
-            "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
-            "latency_p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3) if lat else None,
-            "drafter_versions": sorted({r.drafter_version for r in ok if r.drafter_version is not None})}
+    return {
+        "requests": len(rs),
+        "ok": len(ok),
+        "failed": len(rs) - len(ok),
+        "retries": sum(r.retries for r in rs),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "mean_tau": round(statistics.fmean(taus), 3) if taus else None,
+        "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
+        "latency_p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3) if lat else None,
+        "drafter_versions": sorted({r.drafter_version for r in ok if r.drafter_version is not None}),
+    }
 
 
 def summarize(results: list[Result], phases: list[Phase], wall_s: float, abandoned: int) -> dict:
@@ -316,19 +331,27 @@ def summarize(results: list[Result], phases: list[Phase], wall_s: float, abandon
             span = max(r.t_start + r.latency_s for r in rs) - min(r.t_start for r in rs)
             per_phase[f"{i + 1}: {ph.describe()}"] = _stats(rs, span)
     domains = sorted({r.domain for r in results})
-    return {"wall_s": round(wall_s, 2), "abandoned_in_flight": abandoned, **_stats(results, wall_s),
-            "per_phase": per_phase, "per_domain": {d: _stats([r for r in results if r.domain == d], wall_s) for d in domains}}
+    return {
+        "wall_s": round(wall_s, 2),
+        "abandoned_in_flight": abandoned,
+        **_stats(results, wall_s),
+        "per_phase": per_phase,
+        "per_domain": {d: _stats([r for r in results if r.domain == d], wall_s) for d in domains},
+    }
 
 
 def _print_summary(s: dict) -> None:
     def line(name: str, st: dict) -> str:
         tau = f"{st['mean_tau']:.2f}" if st["mean_tau"] is not None else "-"
         p50 = f"{st['latency_p50_s']:.2f}s" if st["latency_p50_s"] is not None else "-"
-        return (f"  {name:<28} {st['ok']:>5} ok {st['failed']:>4} failed {st['tokens_per_s']:>8.1f} tok/s "
-                f"tau {tau:>5}  p50 {p50}  drafter {','.join(st['drafter_versions']) or '-'}")
+        return (
+            f"  {name:<28} {st['ok']:>5} ok {st['failed']:>4} failed {st['tokens_per_s']:>8.1f} tok/s "
+            f"tau {tau:>5}  p50 {p50}  drafter {','.join(st['drafter_versions']) or '-'}"
+        )
 
-    print(f"loadgen: {s['requests']} requests in {s['wall_s']:.1f}s ({s['abandoned_in_flight']} abandoned in flight), "
-          f"{s['retries']} retries")
+    print(
+        f"loadgen: {s['requests']} requests in {s['wall_s']:.1f}s ({s['abandoned_in_flight']} abandoned in flight), {s['retries']} retries"
+    )
     print(line("all", s))
     for name, st in s["per_phase"].items():
         print(line(f"phase {name}", st))
@@ -363,16 +386,22 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
 
     def on_signal(signum, frame):  # first signal: stop sending and drain; the drain is bounded anyway
-        print(f"loadgen: {signal.Signals(signum).name}, stopping (waiting up to {args.drain_timeout:.0f}s for "
-              f"{gen.in_flight} in flight)", file=sys.stderr, flush=True)
+        print(
+            f"loadgen: {signal.Signals(signum).name}, stopping (waiting up to {args.drain_timeout:.0f}s for {gen.in_flight} in flight)",
+            file=sys.stderr,
+            flush=True,
+        )
         gen.stop.set()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-    print(f"loadgen: {gen.url}, rate {args.rate or 'closed-loop'}/s, concurrency {args.concurrency}, "
-          f"phases: {'; then '.join(p.describe() + (f' for {p.duration_s:.0f}s' if p.duration_s else '') for p in phases)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"loadgen: {gen.url}, rate {args.rate or 'closed-loop'}/s, concurrency {args.concurrency}, "
+        f"phases: {'; then '.join(p.describe() + (f' for {p.duration_s:.0f}s' if p.duration_s else '') for p in phases)}",
+        file=sys.stderr,
+        flush=True,
+    )
     wall = gen.run(duration, args.requests)
     with gen.lock:
         results, abandoned = list(gen.results), gen.in_flight
@@ -385,9 +414,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("loadgen", help="replay prompt sets through the HTTP API (rate, concurrency, domain shift)",
-                       description="Sends chat completions built from the prompt sets to an `adaflash serve` endpoint "
-                                   "with a domain mix or a shift schedule, and prints ok/failed, tokens/s and mean tau.")
+    p = sub.add_parser(
+        "loadgen",
+        help="replay prompt sets through the HTTP API (rate, concurrency, domain shift)",
+        description="Sends chat completions built from the prompt sets to an `adaflash serve` endpoint "
+        "with a domain mix or a shift schedule, and prints ok/failed, tokens/s and mean tau.",
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (the /v1 API lives under it)")
     p.add_argument("--rate", type=float, default=1.0, help="requests per second (0 = closed loop: as fast as slots free)")
     p.add_argument("--arrivals", choices=["constant", "poisson"], default="constant", help="inter-arrival times")
@@ -395,19 +427,25 @@ def register(sub) -> None:
     stop = p.add_mutually_exclusive_group()
     stop.add_argument("--duration", help="stop sending after this long (e.g. 90s, 10m); default: the schedule's length")
     stop.add_argument("--requests", type=int, help="stop after sending this many requests")
-    p.add_argument("--domains", default="gsm8k,humaneval",
-                   help="domain mix, e.g. gsm8k:0.5,humaneval:0.5 (equal weights when none given)")
-    p.add_argument("--schedule", help='phases instead of --domains, e.g. "gsm8k for 5m, then humaneval" '
-                                      '(each phase a mix; every phase but the last needs "for DURATION")')
+    p.add_argument("--domains", default="gsm8k,humaneval", help="domain mix, e.g. gsm8k:0.5,humaneval:0.5 (equal weights when none given)")
+    p.add_argument(
+        "--schedule",
+        help='phases instead of --domains, e.g. "gsm8k for 5m, then humaneval" '
+        '(each phase a mix; every phase but the last needs "for DURATION")',
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--model", help="the request's model field (default: the first model the server lists)")
-    p.add_argument("--api-key", default=os.environ.get("ADAFLASH_API_KEY"),
-                   help="Bearer key, if the server wants one (default: $ADAFLASH_API_KEY)")
-    p.add_argument("--prompt-sets", default="runs/pretrain-smollm2/prompts",
-                   help="folder of train/eval.parquet from the prompt-set builder (built if missing)")
+    p.add_argument(
+        "--api-key", default=os.environ.get("ADAFLASH_API_KEY"), help="Bearer key, if the server wants one (default: $ADAFLASH_API_KEY)"
+    )
+    p.add_argument(
+        "--prompt-sets",
+        default="runs/pretrain-smollm2/prompts",
+        help="folder of train/eval.parquet from the prompt-set builder (built if missing)",
+    )
     p.add_argument("--split", default="train", choices=["train", "eval"], help="which split to replay")
-    p.add_argument("--prompts-file", help="JSONL prompts instead (adaflash generate format, with \"domain\")")
+    p.add_argument("--prompts-file", help='JSONL prompts instead (adaflash generate format, with "domain")')
     p.add_argument("--seed", type=int, default=0, help="seeds prompt order, domain draws and Poisson arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request")
     p.add_argument("--max-retries", type=int, default=5, help="retries on 429/502/503/504 and connection errors")

@@ -80,14 +80,11 @@ def opd_row_terms(
     return hard, rkl
 
 
-def _flatten_valid(
-    draft_logits: Tensor, target_logits: Tensor, valid: Tensor | None, gamma: float
-) -> tuple[Tensor, Tensor, Tensor]:
+def _flatten_valid(draft_logits: Tensor, target_logits: Tensor, valid: Tensor | None, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
     """[N, K, V] -> rows [R, V] of the valid positions plus their weights [R] (w_k)."""
     if draft_logits.dim() != 3 or draft_logits.shape != target_logits.shape:
         raise ValueError(
-            f"expected draft/target logits [N, K, V] of equal shape, got "
-            f"{tuple(draft_logits.shape)} and {tuple(target_logits.shape)}"
+            f"expected draft/target logits [N, K, V] of equal shape, got {tuple(draft_logits.shape)} and {tuple(target_logits.shape)}"
         )
     n, k, v = draft_logits.shape
     w = position_weights(k, gamma, device=draft_logits.device)  # [K]

@@ -54,9 +54,15 @@ def _mlflow_cli() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "mlflow"]
 
 
-def start_mlflow_server(host: str = "127.0.0.1", port: int = 5000, store_uri: str | None = None,
-                        artifacts_dir: str | None = None, log_path: str | Path | None = None, workers: int = 1,
-                        allowed_hosts: str | None = None) -> subprocess.Popen:
+def start_mlflow_server(
+    host: str = "127.0.0.1",
+    port: int = 5000,
+    store_uri: str | None = None,
+    artifacts_dir: str | None = None,
+    log_path: str | Path | None = None,
+    workers: int = 1,
+    allowed_hosts: str | None = None,
+) -> subprocess.Popen:
     """Start `mlflow server` serving artifacts itself (--serve-artifacts: clients upload/download through
     it). It runs in its own process group, so `stop_mlflow_server` ends its uvicorn workers too.
     log_path: server output goes there (None: inherit this process's stdout/stderr)."""
@@ -66,16 +72,27 @@ def start_mlflow_server(host: str = "127.0.0.1", port: int = 5000, store_uri: st
         Path(store_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     if "://" not in artifacts_dir:
         Path(artifacts_dir).mkdir(parents=True, exist_ok=True)
-    cmd = _mlflow_cli() + ["server", "--host", host, "--port", str(port), "--workers", str(workers),
-                           "--backend-store-uri", store_uri, "--serve-artifacts", "--artifacts-destination", artifacts_dir]
+    cmd = _mlflow_cli() + [
+        "server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--backend-store-uri",
+        store_uri,
+        "--serve-artifacts",
+        "--artifacts-destination",
+        artifacts_dir,
+    ]
     if allowed_hosts:
         cmd += ["--allowed-hosts", allowed_hosts]
     env = dict(os.environ)
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # GenAI job runners: not used, 5 processes less
     out = open(log_path, "ab") if log_path else None
     try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, start_new_session=True)
     finally:
         if out:
             out.close()
@@ -102,6 +119,7 @@ def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None =
 def stop_mlflow_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
     """SIGTERM the server's whole process group (mlflow + its uvicorn workers); SIGKILL what is left
     after `timeout`. Returns once every process of the group is gone."""
+
     def group_alive() -> bool:
         try:
             os.killpg(proc.pid, 0)
@@ -185,10 +203,18 @@ class Registry:
                 if attempt == self.retries:
                     raise RegistryUnavailable(
                         f"MLflow at {self.tracking_uri} unreachable after {attempt + 1} attempts ({what}): start it "
-                        f"with `adaflash mlflow` or fix the tracking URI") from e
-                delay = self.backoff_s * 2 ** attempt
-                log.warning("MLflow at %s unreachable (%s: %s); retry %d/%d in %.2f s", self.tracking_uri, what,
-                            _root(e), attempt + 1, self.retries, delay)
+                        f"with `adaflash mlflow` or fix the tracking URI"
+                    ) from e
+                delay = self.backoff_s * 2**attempt
+                log.warning(
+                    "MLflow at %s unreachable (%s: %s); retry %d/%d in %.2f s",
+                    self.tracking_uri,
+                    what,
+                    _root(e),
+                    attempt + 1,
+                    self.retries,
+                    delay,
+                )
                 time.sleep(delay)
 
     @staticmethod
@@ -214,8 +240,12 @@ class Registry:
             if not self._missing(e):
                 raise
             try:
-                self.call("create model", lambda: self.client.create_registered_model(
-                    self.model_name, description="AdaFlash block drafter; alias `champion` is what servers load"))
+                self.call(
+                    "create model",
+                    lambda: self.client.create_registered_model(
+                        self.model_name, description="AdaFlash block drafter; alias `champion` is what servers load"
+                    ),
+                )
             except Exception as e2:
                 if getattr(e2, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
                     raise
@@ -239,8 +269,9 @@ class Registry:
         own_run = run_id is None
         if own_run:
             exp = self._experiment_id()
-            run_id = self.call("create run", lambda: self.client.create_run(
-                exp, tags={"mlflow.runName": f"register-{drafter_dir.name}"}).info.run_id)
+            run_id = self.call(
+                "create run", lambda: self.client.create_run(exp, tags={"mlflow.runName": f"register-{drafter_dir.name}"}).info.run_id
+            )
         for f in files:
             rel = f.relative_to(drafter_dir).parent
             dest = ARTIFACT_PATH if rel == Path(".") else f"{ARTIFACT_PATH}/{rel.as_posix()}"
@@ -250,8 +281,10 @@ class Registry:
         self._ensure_model()
         all_tags = {k: str(v) for k, v in (tags or {}).items()}
         all_tags["target_identity"] = json.dumps(identity, sort_keys=True)
-        mv = self.call("create version", lambda: self.client.create_model_version(
-            self.model_name, f"runs:/{run_id}/{ARTIFACT_PATH}", run_id=run_id, tags=all_tags))
+        mv = self.call(
+            "create version",
+            lambda: self.client.create_model_version(self.model_name, f"runs:/{run_id}/{ARTIFACT_PATH}", run_id=run_id, tags=all_tags),
+        )
         log.info("registered %s as %s version %s (run %s)", drafter_dir, self.model_name, mv.version, run_id)
         return str(mv.version)
 
@@ -285,8 +318,16 @@ class Registry:
         aliases: dict[str, list[str]] = {}
         for alias, v in (model.aliases or {}).items():
             aliases.setdefault(str(v), []).append(alias)
-        rows = [{"version": str(mv.version), "tags": dict(mv.tags or {}), "aliases": sorted(aliases.get(str(mv.version), [])),
-                 "run_id": mv.run_id, "created_ms": mv.creation_timestamp} for mv in found]
+        rows = [
+            {
+                "version": str(mv.version),
+                "tags": dict(mv.tags or {}),
+                "aliases": sorted(aliases.get(str(mv.version), [])),
+                "run_id": mv.run_id,
+                "created_ms": mv.creation_timestamp,
+            }
+            for mv in found
+        ]
         return sorted(rows, key=lambda r: int(r["version"]))
 
     def download(self, version: str, dest_root: str | Path) -> Path:
@@ -298,8 +339,10 @@ class Registry:
             return dest
         mv = self.call("get version", lambda: self.client.get_model_version(self.model_name, str(version)))
         if not str(mv.source).startswith("runs:/"):
-            raise ValueError(f"{self.model_name} version {version} comes from {mv.source}, not from Registry.register "
-                             f"(runs:/<run>/{ARTIFACT_PATH}): register drafters with `adaflash registry` or Registry.register")
+            raise ValueError(
+                f"{self.model_name} version {version} comes from {mv.source}, not from Registry.register "
+                f"(runs:/<run>/{ARTIFACT_PATH}): register drafters with `adaflash registry` or Registry.register"
+            )
         run_id, path = RunsArtifactRepository.parse_runs_uri(mv.source)
         listing = self.call("list files", lambda: self.client.list_artifacts(run_id, path))
         tmp = Path(dest_root) / f".{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -333,8 +376,7 @@ def bootstrap(registry: Registry, drafter_dir: str | Path) -> str:
     champion = registry.champion()
     if champion is None:
         champion = rows[0]["version"]
-        log.warning("%s has versions but no `%s` alias: pointing it at the first version %s",
-                    registry.model_name, CHAMPION, champion)
+        log.warning("%s has versions but no `%s` alias: pointing it at the first version %s", registry.model_name, CHAMPION, champion)
         registry.set_champion(champion)
     return champion
 
@@ -345,8 +387,16 @@ class HotSwapper:
     `engine.swap(drafter, head, version)`. Refused versions are remembered and not retried.
     on_event(dict) is called with {"event": "swap" | "refused" | "poll_error", "version", "detail"}."""
 
-    def __init__(self, registry: Registry, engine, target, cache_dir: str | Path, interval_s: float = 5.0,
-                 on_event: Callable[[dict], None] | None = None, max_backoff_s: float = 60.0):
+    def __init__(
+        self,
+        registry: Registry,
+        engine,
+        target,
+        cache_dir: str | Path,
+        interval_s: float = 5.0,
+        on_event: Callable[[dict], None] | None = None,
+        max_backoff_s: float = 60.0,
+    ):
         self.registry, self.engine, self.target = registry, engine, target
         self.cache_dir, self.interval_s, self.max_backoff_s = Path(cache_dir), interval_s, max_backoff_s
         self.on_event = on_event
@@ -406,9 +456,14 @@ class HotSwapper:
     def _poll_error(self, e: Exception) -> float:
         self.poll_errors += 1
         self._errors_in_row += 1
-        delay = min(self.max_backoff_s, self.interval_s * 2 ** self._errors_in_row)
-        log.warning("hot-swap: registry poll failed (%s: %s); version %s keeps serving, next poll in %.1f s",
-                    type(e).__name__, e, self.version, delay)
+        delay = min(self.max_backoff_s, self.interval_s * 2**self._errors_in_row)
+        log.warning(
+            "hot-swap: registry poll failed (%s: %s); version %s keeps serving, next poll in %.1f s",
+            type(e).__name__,
+            e,
+            self.version,
+            delay,
+        )
         self._emit("poll_error", None, str(e))
         return delay
 

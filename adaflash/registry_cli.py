@@ -1,10 +1,10 @@
 """`adaflash mlflow` (the tracking server) and `adaflash registry ...` (drafter versions, rollback).
 
-  adaflash mlflow                      MLflow server on 127.0.0.1:5000, SQLite + local artifacts in runs/mlflow/
-  adaflash registry bootstrap --drafter DIR   first drafter -> version 1 + champion (idempotent)
-  adaflash registry register --drafter DIR    a new version (not champion until promoted)
-  adaflash registry status             versions, aliases, tags
-  adaflash registry promote VERSION    move `champion` (an older version = rollback); servers swap on their next poll
+adaflash mlflow                      MLflow server on 127.0.0.1:5000, SQLite + local artifacts in runs/mlflow/
+adaflash registry bootstrap --drafter DIR   first drafter -> version 1 + champion (idempotent)
+adaflash registry register --drafter DIR    a new version (not champion until promoted)
+adaflash registry status             versions, aliases, tags
+adaflash registry promote VERSION    move `champion` (an older version = rollback); servers swap on their next poll
 """
 
 from __future__ import annotations
@@ -24,15 +24,19 @@ def cmd_mlflow(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
-    proc = start_mlflow_server(args.host, args.port, args.backend_store_uri, args.artifacts_destination,
-                               None, args.workers, args.allowed_hosts)
+    proc = start_mlflow_server(
+        args.host, args.port, args.backend_store_uri, args.artifacts_destination, None, args.workers, args.allowed_hosts
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the server on `kill` too
     try:
         ui_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         url = f"http://{ui_host}:{args.port}"
         wait_ready(url, args.start_timeout, proc)
-        print(f"MLflow UI: {url}  (runs: experiment 'adaflash'; drafter versions: Models > adaflash-drafter; "
-              f"set MLFLOW_TRACKING_URI={url} for adaflash clients). Ctrl-C stops it.", flush=True)
+        print(
+            f"MLflow UI: {url}  (runs: experiment 'adaflash'; drafter versions: Models > adaflash-drafter; "
+            f"set MLFLOW_TRACKING_URI={url} for adaflash clients). Ctrl-C stops it.",
+            flush=True,
+        )
         return proc.wait()
     except KeyboardInterrupt:
         return 0
@@ -101,6 +105,7 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 def _unavailable_is_error(func):
     """RegistryUnavailable -> one line and exit code 1 (not a traceback)."""
+
     def run(args: argparse.Namespace) -> int:
         from adaflash.registry import RegistryUnavailable
 
@@ -109,31 +114,48 @@ def _unavailable_is_error(func):
         except RegistryUnavailable as e:
             print(f"adaflash: error: {e}", file=sys.stderr)
             return 1
+
     return run
 
 
 def register(subparsers) -> None:
-    m = subparsers.add_parser("mlflow", help="start the MLflow tracking server (runs, metrics, drafter registry, UI)",
-                              description="Starts `mlflow server` with a SQLite store and local artifacts under "
-                                          "runs/mlflow/ (or $MLFLOW_BACKEND_STORE_URI / $MLFLOW_ARTIFACTS_DESTINATION, "
-                                          "e.g. postgresql://... and s3://...). Artifacts go through the server, so "
-                                          "clients need no shared filesystem. See mlflow/README.md.")
+    m = subparsers.add_parser(
+        "mlflow",
+        help="start the MLflow tracking server (runs, metrics, drafter registry, UI)",
+        description="Starts `mlflow server` with a SQLite store and local artifacts under "
+        "runs/mlflow/ (or $MLFLOW_BACKEND_STORE_URI / $MLFLOW_ARTIFACTS_DESTINATION, "
+        "e.g. postgresql://... and s3://...). Artifacts go through the server, so "
+        "clients need no shared filesystem. See mlflow/README.md.",
+    )
     m.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for other machines; then set --allowed-hosts)")
     m.add_argument("--port", type=int, default=5000)
-    m.add_argument("--backend-store-uri", default=None,
-                   help="runs + registry database (default: $MLFLOW_BACKEND_STORE_URI or sqlite:///runs/mlflow/mlflow.db)")
-    m.add_argument("--artifacts-destination", default=None,
-                   help="where the server stores artifacts (default: $MLFLOW_ARTIFACTS_DESTINATION or runs/mlflow/artifacts)")
+    m.add_argument(
+        "--backend-store-uri",
+        default=None,
+        help="runs + registry database (default: $MLFLOW_BACKEND_STORE_URI or sqlite:///runs/mlflow/mlflow.db)",
+    )
+    m.add_argument(
+        "--artifacts-destination",
+        default=None,
+        help="where the server stores artifacts (default: $MLFLOW_ARTIFACTS_DESTINATION or runs/mlflow/artifacts)",
+    )
     m.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     m.add_argument("--allowed-hosts", default=None, help="Host headers accepted besides localhost/private IPs")
     m.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for /health")
     m.set_defaults(func=cmd_mlflow)
 
-    r = subparsers.add_parser("registry", help="drafter versions in the MLflow registry: bootstrap, status, promote (rollback)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r = subparsers.add_parser(
+        "registry",
+        help="drafter versions in the MLflow registry: bootstrap, status, promote (rollback)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000"),
-                        help="MLflow server (default: $MLFLOW_TRACKING_URI or http://127.0.0.1:5000)")
+    common.add_argument(
+        "--tracking-uri",
+        default=os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000"),
+        help="MLflow server (default: $MLFLOW_TRACKING_URI or http://127.0.0.1:5000)",
+    )
     common.add_argument("--model-name", default="adaflash-drafter", help="registered model name")
     rs = r.add_subparsers(dest="registry_command", required=True)
     b = rs.add_parser("bootstrap", parents=[common], help="register the first drafter as version 1 + champion (idempotent)")

@@ -71,8 +71,13 @@ def verify_sampling(
     return n, sample(residual, generator)
 
 
-def propose(draft_logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
-            vocab: torch.Tensor | None = None, vocab_size: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def propose(
+    draft_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    vocab: torch.Tensor | None = None,
+    vocab_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One request's drafts from its drafter logits [k, Vd] -> (draft ids [k], q [k, V] or None when greedy).
 
     `vocab` [Vd]: the full ids of the logits' columns when the drafter drafts from a subset of the
@@ -89,8 +94,9 @@ def propose(draft_logits: torch.Tensor, temperature: float, generator: torch.Gen
     return vocab[j], full
 
 
-def verify(draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor, temperature: float,
-           generator: torch.Generator | None) -> tuple[int, int]:
+def verify(
+    draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[int, int]:
     """One request's round: draft [k], target_logits [k+1, V] -> (accepted drafts, next token)."""
     if temperature <= 0:
         n, nxt = verify_greedy(draft[None], target_logits[None])
@@ -112,8 +118,9 @@ def verify(draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Ten
 # every committed token is the target's own argmax after the committed text before it.
 
 
-def build_tree(draft_logits: torch.Tensor, n_nodes: int, vocab: torch.Tensor | None = None,
-               width: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def build_tree(
+    draft_logits: torch.Tensor, n_nodes: int, vocab: torch.Tensor | None = None, width: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafter logits [D, Vd] of positions 1..D -> the `n_nodes` most likely draft paths as a tree:
     (tokens [N] full-vocabulary ids, parents [N]: index of the parent node, 0 = the anchor; node i sits
     at index i + 1 of the verified sequence [anchor, tokens]). A path's score is the product of its

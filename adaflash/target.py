@@ -81,8 +81,16 @@ class KVCache:
     so left-padded batches work. `crop` rolls back rejected speculative tokens.
     """
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, dtype, capacity: int = 256,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype,
+        capacity: int = 256,
+        device: torch.device | str | None = None,
+    ):
         self.k = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
@@ -216,10 +224,10 @@ class TargetModel(nn.Module):
         logits = self.lm_head(h).float()
         return logits, torch.cat(feats, dim=-1)
 
-
     @torch.no_grad()
-    def forward_packed(self, tokens: list[torch.Tensor], caches: list[KVCache], logits_last_only: bool = False
-                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def forward_packed(
+        self, tokens: list[torch.Tensor], caches: list[KVCache], logits_last_only: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Ragged batch: request i appends tokens[i] ([L_i], any L_i) to its own batch-1 cache.
 
         The linear layers run once over all sum(L_i) tokens packed together (no padding to the
@@ -242,7 +250,9 @@ class TargetModel(nn.Module):
         masks = []
         for cache, start, n in zip(caches, slots, lens):
             keys = torch.arange(start + n, device=dev)
-            masks.append((cache.valid[:, None, : start + n] & (keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]))[:, None])
+            masks.append(
+                (cache.valid[:, None, : start + n] & (keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]))[:, None]
+            )
         x = self.model.embed_tokens(torch.cat(tokens)[None])  # [1, N, H]
         feats = []
         for li, layer in enumerate(self.model.layers):
@@ -386,7 +396,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" = the GPU where there is one, else the CPU; or any torch device name ("cpu", "cuda:1")."""
+    """ "auto" = the GPU where there is one, else the CPU; or any torch device name ("cpu", "cuda:1")."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
@@ -395,8 +405,9 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def load_target(source: str = "smollm2", dtype: str | torch.dtype = "auto", feature_layers: list[int] | None = None,
-                device: str = "cpu") -> Target:
+def load_target(
+    source: str = "smollm2", dtype: str | torch.dtype = "auto", feature_layers: list[int] | None = None, device: str = "cpu"
+) -> Target:
     """`source`: "smollm2" (the packaged GGUF), a .gguf file, or a local HF directory; `device`: see resolve_device."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer

@@ -36,19 +36,36 @@ def mlflow_state(tracking_uri: str, model_name: str, experiment: str, timeout: f
     exp = requests.get(f"{api}/experiments/get-by-name", params={"experiment_name": experiment}, timeout=timeout)
     runs = []
     if exp.status_code == 200:  # 404 until the trainer's first round creates it
-        runs = requests.post(f"{api}/runs/search", json={"experiment_ids": [exp.json()["experiment"]["experiment_id"]],
-                                                          "max_results": 1000, "order_by": ["attributes.start_time DESC"]},
-                             timeout=timeout).json().get("runs", [])
-    mv = requests.get(f"{api}/model-versions/search", params={"filter": f"name='{model_name}'", "max_results": 1000},
-                      timeout=timeout).json().get("model_versions", [])
+        runs = (
+            requests.post(
+                f"{api}/runs/search",
+                json={
+                    "experiment_ids": [exp.json()["experiment"]["experiment_id"]],
+                    "max_results": 1000,
+                    "order_by": ["attributes.start_time DESC"],
+                },
+                timeout=timeout,
+            )
+            .json()
+            .get("runs", [])
+        )
+    mv = (
+        requests.get(f"{api}/model-versions/search", params={"filter": f"name='{model_name}'", "max_results": 1000}, timeout=timeout)
+        .json()
+        .get("model_versions", [])
+    )
     rm = requests.get(f"{api}/registered-models/get", params={"name": model_name}, timeout=timeout).json()
     aliases = {a["alias"]: a["version"] for a in rm.get("registered_model", {}).get("aliases", [])}
     finished = [r for r in runs if r["info"]["status"] == "FINISHED"]
     last = finished[0] if finished else {}
-    return {"runs": len(runs), "running": sum(r["info"]["status"] == "RUNNING" for r in runs),
-            "versions": sorted(int(v["version"]) for v in mv), "champion": aliases.get("champion"),
-            "last_round": last.get("info", {}).get("run_name"),
-            "last_metrics": {m["key"]: m["value"] for m in last.get("data", {}).get("metrics", [])}}
+    return {
+        "runs": len(runs),
+        "running": sum(r["info"]["status"] == "RUNNING" for r in runs),
+        "versions": sorted(int(v["version"]) for v in mv),
+        "champion": aliases.get("champion"),
+        "last_round": last.get("info", {}).get("run_name"),
+        "last_metrics": {m["key"]: m["value"] for m in last.get("data", {}).get("metrics", [])},
+    }
 
 
 class LoadTail:
@@ -85,8 +102,9 @@ class LoadTail:
             if r["ok"] and r.get("tau") is not None:
                 by_dom.setdefault(r["domain"], []).append(r["tau"])
         taus = ", ".join(f"{d} {statistics.fmean(v):.2f}" for d, v in sorted(by_dom.items()))
-        return (f"phase {last['phase'] + 1}, sending {last['domain']} | {self.total_ok} ok {self.total_failed} failed"
-                + (f" | tau last {self.window_s:.0f}s: {taus}" if taus else ""))
+        return f"phase {last['phase'] + 1}, sending {last['domain']} | {self.total_ok} ok {self.total_failed} failed" + (
+            f" | tau last {self.window_s:.0f}s: {taus}" if taus else ""
+        )
 
 
 def _num(v, fmt: str) -> str:
@@ -106,28 +124,40 @@ class LiveView:
     def lines(self) -> list[str]:
         cfg = self.cfg
         up_s = time.monotonic() - self.t0
-        out = [f"adaflash up  {time.strftime('%H:%M:%S')}  up {int(up_s // 60)}m{int(up_s % 60):02d}s  "
-               f"MLflow UI {cfg.tracking_uri}  API {cfg.server_url}/v1  logs {cfg.run_dir}/logs/"]
+        out = [
+            f"adaflash up  {time.strftime('%H:%M:%S')}  up {int(up_s // 60)}m{int(up_s % 60):02d}s  "
+            f"MLflow UI {cfg.tracking_uri}  API {cfg.server_url}/v1  logs {cfg.run_dir}/logs/"
+        ]
         try:
             m = scrape(f"{cfg.server_url}/metrics")
             drafter = m.get("adaflash_drafter_info") or {}
-            out.append(f"server   {_num(m.get('adaflash_tokens_per_second'), '.1f')} tok/s  tau {_num(m.get('adaflash_tau'), '.2f')}"
-                       f"  drafter v{drafter.get('version', '?')} ({drafter.get('policy', '?')})"
-                       f"  swaps {_num(m.get('adaflash_drafter_swaps_total'), '.0f')}"
-                       f"  running {_num(m.get('adaflash_running_requests'), '.0f')}  queue {_num(m.get('adaflash_queue_depth'), '.0f')}"
-                       f"  trajectories {_num(m.get('adaflash_trajectory_rows_total'), '.0f')}")
+            out.append(
+                f"server   {_num(m.get('adaflash_tokens_per_second'), '.1f')} tok/s  tau {_num(m.get('adaflash_tau'), '.2f')}"
+                f"  drafter v{drafter.get('version', '?')} ({drafter.get('policy', '?')})"
+                f"  swaps {_num(m.get('adaflash_drafter_swaps_total'), '.0f')}"
+                f"  running {_num(m.get('adaflash_running_requests'), '.0f')}  queue {_num(m.get('adaflash_queue_depth'), '.0f')}"
+                f"  trajectories {_num(m.get('adaflash_trajectory_rows_total'), '.0f')}"
+            )
         except (requests.RequestException, ValueError) as e:
             out.append(f"server   unreachable ({type(e).__name__})")
         try:
             s = mlflow_state(cfg.tracking_uri, cfg.model_name, cfg.experiment)
             m = s["last_metrics"]
-            tau = (f": held-out tau {m['heldout_tau_before']:.2f} -> {m['heldout_tau_after']:.2f}"
-                   if "heldout_tau_before" in m and "heldout_tau_after" in m else "")
+            tau = (
+                f": held-out tau {m['heldout_tau_before']:.2f} -> {m['heldout_tau_after']:.2f}"
+                if "heldout_tau_before" in m and "heldout_tau_after" in m
+                else ""
+            )
             versions = s["versions"]
-            out.append(f"trainer  {s['runs']} update rounds ({s['running']} running)"
-                       + (f", last finished {s['last_round']}{tau}" if s["last_round"] else ""))
-            out.append(f"registry {cfg.model_name}: {len(versions)} versions"
-                       + (f" (v{versions[0]}..v{versions[-1]})" if versions else "") + f", champion v{s['champion'] or '-'}")
+            out.append(
+                f"trainer  {s['runs']} update rounds ({s['running']} running)"
+                + (f", last finished {s['last_round']}{tau}" if s["last_round"] else "")
+            )
+            out.append(
+                f"registry {cfg.model_name}: {len(versions)} versions"
+                + (f" (v{versions[0]}..v{versions[-1]})" if versions else "")
+                + f", champion v{s['champion'] or '-'}"
+            )
         except (requests.RequestException, ValueError, KeyError) as e:
             out.append(f"trainer  MLflow unreachable ({type(e).__name__})")
         if cfg.loadgen is not None:
@@ -136,8 +166,7 @@ class LiveView:
                 out.append(f"loadgen  {self.load.line()}")
             except (OSError, ValueError, KeyError) as e:
                 out.append(f"loadgen  results unreadable ({e})")
-        out.append("procs    " + "  ".join(f"{c.name}:{'up' if c.poll() is None else f'exit {c.poll()}'}"
-                                             for c in self.children))
+        out.append("procs    " + "  ".join(f"{c.name}:{'up' if c.poll() is None else f'exit {c.poll()}'}" for c in self.children))
         return out
 
     def refresh(self) -> None:

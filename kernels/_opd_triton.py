@@ -26,9 +26,24 @@ CLIP_NONE, CLIP_VOCAB, CLIP_TOKEN = 0, 1, 2
 
 @triton.jit
 def _opd_fwd_kernel(
-    D, T, HARD, RKL, LSE1, LSED, LSET, IDX, USUM, RSCALE,
-    stride_d, stride_t, V, inv_temp, clip,
-    CLIP_MODE: tl.constexpr, UNIT_TEMP: tl.constexpr, BLOCK_V: tl.constexpr,
+    D,
+    T,
+    HARD,
+    RKL,
+    LSE1,
+    LSED,
+    LSET,
+    IDX,
+    USUM,
+    RSCALE,
+    stride_d,
+    stride_t,
+    V,
+    inv_temp,
+    clip,
+    CLIP_MODE: tl.constexpr,
+    UNIT_TEMP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     d_row = D + row * stride_d
@@ -118,9 +133,25 @@ def _opd_fwd_kernel(
 
 @triton.jit
 def _opd_bwd_kernel(
-    D, T, GD, G_HARD, G_RKL, LSE1, LSED, LSET, IDX, USUM, RSCALE,
-    stride_d, stride_t, stride_g, V, inv_temp, clip,
-    CLIP_MODE: tl.constexpr, BLOCK_V: tl.constexpr,
+    D,
+    T,
+    GD,
+    G_HARD,
+    G_RKL,
+    LSE1,
+    LSED,
+    LSET,
+    IDX,
+    USUM,
+    RSCALE,
+    stride_d,
+    stride_t,
+    stride_g,
+    V,
+    inv_temp,
+    clip,
+    CLIP_MODE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     d_row = D + row * stride_d

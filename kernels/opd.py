@@ -76,9 +76,24 @@ class _FusedOPDTerms(torch.autograd.Function):
         idx = torch.empty(r, device=draft.device, dtype=torch.int32)  # argmax z_t
         if r > 0:
             k._opd_fwd_kernel[(r,)](
-                draft, target, hard, rkl, lse1, lsed, lset, idx, usum, rscale,
-                draft.stride(0), target.stride(0), v, inv_temp, clip_f,
-                CLIP_MODE=mode, UNIT_TEMP=(inv_temp == 1.0), BLOCK_V=block_v,
+                draft,
+                target,
+                hard,
+                rkl,
+                lse1,
+                lsed,
+                lset,
+                idx,
+                usum,
+                rscale,
+                draft.stride(0),
+                target.stride(0),
+                v,
+                inv_temp,
+                clip_f,
+                CLIP_MODE=mode,
+                UNIT_TEMP=(inv_temp == 1.0),
+                BLOCK_V=block_v,
             )
         ctx.save_for_backward(draft, target, lse1, lsed, lset, idx, usum, rscale)
         ctx.cfg = (inv_temp, clip_f, mode, block_v)
@@ -98,9 +113,25 @@ class _FusedOPDTerms(torch.autograd.Function):
         grad = torch.empty_like(draft)  # [R, V], draft dtype
         if r > 0:
             _kernels()._opd_bwd_kernel[(r,)](
-                draft, target, grad, g_hard, g_rkl, lse1, lsed, lset, idx, usum, rscale,
-                draft.stride(0), target.stride(0), grad.stride(0), v, inv_temp, clip_f,
-                CLIP_MODE=mode, BLOCK_V=block_v,
+                draft,
+                target,
+                grad,
+                g_hard,
+                g_rkl,
+                lse1,
+                lsed,
+                lset,
+                idx,
+                usum,
+                rscale,
+                draft.stride(0),
+                target.stride(0),
+                grad.stride(0),
+                v,
+                inv_temp,
+                clip_f,
+                CLIP_MODE=mode,
+                BLOCK_V=block_v,
             )
         return grad, None, None, None, None, None
 
@@ -122,8 +153,7 @@ def fused_opd_terms(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if draft_logits.dim() != 2 or draft_logits.shape != target_logits.shape:
         raise ValueError(
-            f"expected draft/target logits [R, V] of equal shape, got "
-            f"{tuple(draft_logits.shape)} and {tuple(target_logits.shape)}"
+            f"expected draft/target logits [R, V] of equal shape, got {tuple(draft_logits.shape)} and {tuple(target_logits.shape)}"
         )
     if not triton_available():
         raise RuntimeError("fused_opd_terms needs the `triton` package")

@@ -77,13 +77,30 @@ def make_policy(method: str, head=None):
     raise ValueError(f"unknown method {method!r}; methods: ar, fixed, fixedK, ema, head, hf, hf-pld")
 
 
-def run_engine(method: str, target, drafter, head, prompts: list[BenchPrompt], concurrency: int, max_new: int,
-               eos: list[int], token_budget: int, lookup: tuple[int, int] = (4, 2)) -> dict:
+def run_engine(
+    method: str,
+    target,
+    drafter,
+    head,
+    prompts: list[BenchPrompt],
+    concurrency: int,
+    max_new: int,
+    eos: list[int],
+    token_budget: int,
+    lookup: tuple[int, int] = (4, 2),
+) -> dict:
     """`lookup`: (longest chain, shortest n-gram match) for `-lookup` methods."""
     base, with_lookup, full_vocab = split_method(method)
-    engine = Engine(target, drafter if base != "ar" else None, make_policy(base, head), eos,
-                    max_batch=concurrency, token_budget=token_budget, lookup=lookup[0] if with_lookup else 0,
-                    lookup_min=lookup[1])
+    engine = Engine(
+        target,
+        drafter if base != "ar" else None,
+        make_policy(base, head),
+        eos,
+        max_batch=concurrency,
+        token_budget=token_budget,
+        lookup=lookup[0] if with_lookup else 0,
+        lookup_min=lookup[1],
+    )
     reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
     vocab = drafter.vocab if drafter is not None else None
     if full_vocab:
@@ -110,12 +127,18 @@ def run_engine(method: str, target, drafter, head, prompts: list[BenchPrompt], c
                 pred_rate.append(r.pred)
                 true_rate.append(min(1.0, (r.accepted + 1) / drafter.block_size))
     return {
-        "tokens_per_s": tokens / wall, "tau": (tokens - len(states)) / max(1, rounds),
+        "tokens_per_s": tokens / wall,
+        "tau": (tokens - len(states)) / max(1, rounds),
         "verify_tokens_per_step": engine.stats["verify_tokens"] / max(1, engine.stats["steps"]),
-        "max_step_tokens": engine.stats["max_step_tokens"], "committed_tokens": tokens, "wall_s": wall,
-        "latency_per_token_p50": statistics.median(per_tok), "latency_per_token_p95": sorted(per_tok)[int(0.95 * (len(per_tok) - 1))],
-        "n_requests": len(states), "accept_by_position": [a / d if d else None for a, d in zip(accepted, drafted)],
-        "head_pred": pred_rate, "head_true": true_rate,
+        "max_step_tokens": engine.stats["max_step_tokens"],
+        "committed_tokens": tokens,
+        "wall_s": wall,
+        "latency_per_token_p50": statistics.median(per_tok),
+        "latency_per_token_p95": sorted(per_tok)[int(0.95 * (len(per_tok) - 1))],
+        "n_requests": len(states),
+        "accept_by_position": [a / d if d else None for a, d in zip(accepted, drafted)],
+        "head_pred": pred_rate,
+        "head_true": true_rate,
         "lookup_rounds": sum(r.source == "lookup" for s in states for r in s.rounds) / max(1, rounds),
     }
 
@@ -141,15 +164,34 @@ def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, 
             tokens += n
             per_tok.append(dt / n)
     wall = time.perf_counter() - t0
-    return {"tokens_per_s": tokens / wall, "tau": None, "verify_tokens_per_step": None, "committed_tokens": tokens,
-            "wall_s": wall, "latency_per_token_p50": statistics.median(per_tok),
-            "latency_per_token_p95": sorted(per_tok)[int(0.95 * (len(per_tok) - 1))], "n_requests": len(prompts),
-            "effective_concurrency": batch}
+    return {
+        "tokens_per_s": tokens / wall,
+        "tau": None,
+        "verify_tokens_per_step": None,
+        "committed_tokens": tokens,
+        "wall_s": wall,
+        "latency_per_token_p50": statistics.median(per_tok),
+        "latency_per_token_p95": sorted(per_tok)[int(0.95 * (len(per_tok) - 1))],
+        "n_requests": len(prompts),
+        "effective_concurrency": batch,
+    }
 
 
-def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[str, list[BenchPrompt]],
-          methods: list[str], concurrency: list[int], max_new: int, token_budget: int, min_requests: int = 0,
-          repeats: int = 1, lookup: tuple[int, int] = (4, 2)) -> list[dict]:
+def bench(
+    target,
+    drafter,
+    head,
+    hf_model,
+    pad_id: int,
+    prompts_by_domain: dict[str, list[BenchPrompt]],
+    methods: list[str],
+    concurrency: list[int],
+    max_new: int,
+    token_budget: int,
+    min_requests: int = 0,
+    repeats: int = 1,
+    lookup: tuple[int, int] = (4, 2),
+) -> list[dict]:
     """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
     prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable.
     `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`."""
@@ -179,8 +221,14 @@ def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[
             tps = [r["tokens_per_s"] for r in runs[m]]
             r = dict(runs[m][sorted(range(repeats), key=tps.__getitem__)[(repeats - 1) // 2]])  # the median run
             ratios = [x["tokens_per_s"] / a["tokens_per_s"] for x, a in zip(runs[m], runs["ar"])] if "ar" in runs else []
-            r.update(method=m, domain=domain, concurrency=conc, tokens_per_s_runs=tps,
-                     speedup_vs_ar=statistics.median(ratios) if ratios else None, peak_rss_mib=round(rss))
+            r.update(
+                method=m,
+                domain=domain,
+                concurrency=conc,
+                tokens_per_s_runs=tps,
+                speedup_vs_ar=statistics.median(ratios) if ratios else None,
+                peak_rss_mib=round(rss),
+            )
             rows.append(r)
     bar.close()
     return rows
@@ -188,17 +236,25 @@ def bench(target, drafter, head, hf_model, pad_id: int, prompts_by_domain: dict[
 
 def report_markdown(rows: list[dict], meta: dict) -> str:
     repeats = meta.get("repeats", 1)
-    lines = [f"Command: `{meta['command']}`", "", f"Machine: {meta['machine']}; max_new_tokens {meta['max_new_tokens']}; "
-             f"token budget {meta['token_budget']}"
-             + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else ""), "",
-             "| domain | concurrency | method | tok/s | speedup vs ar | tau | verify tok/step | max step tok | p50 ms/tok | p95 ms/tok | requests | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {meta['machine']}; max_new_tokens {meta['max_new_tokens']}; "
+        f"token budget {meta['token_budget']}"
+        + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else ""),
+        "",
+        "| domain | concurrency | method | tok/s | speedup vs ar | tau | verify tok/step | max step tok "
+        "| p50 ms/tok | p95 ms/tok | requests | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     for r in rows:
-        lines.append(f"| {r['domain']} | {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | "
-                     f"{fmt(r['speedup_vs_ar'], '.2f')}x | {fmt(r['tau'], '.2f')} | {fmt(r['verify_tokens_per_step'], '.1f')} | "
-                     f"{fmt(r.get('max_step_tokens'), 'd')} | {1000 * r['latency_per_token_p50']:.0f} | "
-                     f"{1000 * r['latency_per_token_p95']:.0f} | {r['n_requests']} | {r['peak_rss_mib']} |")
+        lines.append(
+            f"| {r['domain']} | {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | "
+            f"{fmt(r['speedup_vs_ar'], '.2f')}x | {fmt(r['tau'], '.2f')} | {fmt(r['verify_tokens_per_step'], '.1f')} | "
+            f"{fmt(r.get('max_step_tokens'), 'd')} | {1000 * r['latency_per_token_p50']:.0f} | "
+            f"{1000 * r['latency_per_token_p95']:.0f} | {r['n_requests']} | {r['peak_rss_mib']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

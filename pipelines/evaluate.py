@@ -26,24 +26,28 @@ def variants_of(verify_lens: list[int], trees: list[int], lookup: list[int] = (0
     (`dflash-treeN`, and `dflash-treeN-lookupL` for every lookup length L > 0)."""
     out = {f"dflash-v{v}": {"verify_len": v} for v in verify_lens}
     for n in trees:
-        out.update({f"dflash-tree{n}" + (f"-lookup{lk}" if lk else ""): {"tree": n, **({"lookup": lk} if lk else {})}
-                    for lk in lookup})
+        out.update({f"dflash-tree{n}" + (f"-lookup{lk}" if lk else ""): {"tree": n, **({"lookup": lk} if lk else {})} for lk in lookup})
     return out
 
 
-def evaluate(target: Target, drafter: Drafter, records: list, max_new_tokens: int, verify_lens: list[int],
-             trees: list[int] = (), lookup: list[int] = (0,)) -> dict:
+def evaluate(
+    target: Target,
+    drafter: Drafter,
+    records: list,
+    max_new_tokens: int,
+    verify_lens: list[int],
+    trees: list[int] = (),
+    lookup: list[int] = (0,),
+) -> dict:
     """-> {"domains": {domain: {"ar_tokens_per_s", "variants": {"dflash-v16": {...}, "dflash-tree8": ...}}}}."""
     variants = variants_of(verify_lens, list(trees), list(lookup))
     runs: dict[str, list] = {}
     for rec in tqdm(records, desc="eval", unit="prompt"):
         ids = target.encode_chat(rec.messages)
         ar = generate_ar(target.model, ids, max_new_tokens, target.eos_ids)
-        sds = {name: generate_dflash(target.model, drafter, ids, max_new_tokens, target.eos_ids, **kw)
-               for name, kw in variants.items()}
+        sds = {name: generate_dflash(target.model, drafter, ids, max_new_tokens, target.eos_ids, **kw) for name, kw in variants.items()}
         runs.setdefault(rec.domain, []).append((rec.prompt_id, ar, sds))
-    report = {"max_new_tokens": max_new_tokens, "verify_lens": verify_lens, "trees": list(trees),
-              "lookup": list(lookup), "domains": {}}
+    report = {"max_new_tokens": max_new_tokens, "verify_lens": verify_lens, "trees": list(trees), "lookup": list(lookup), "domains": {}}
     k = drafter.block_size - 1
     for domain, rows in runs.items():
         ar_tps = sum(len(a.output_ids) for _, a, _ in rows) / sum(a.wall_s for _, a, _ in rows)
@@ -67,8 +71,12 @@ def evaluate(target: Target, drafter: Drafter, records: list, max_new_tokens: in
                 "accepted_at_least": [round(a / rounds, 3) for a in accepted],
                 "mismatched_prompts": [pid for pid, a, s in rows if a.output_ids != s[name].output_ids],
             }
-        report["domains"][domain] = {"prompts": len(rows), "tokens": sum(len(a.output_ids) for _, a, _ in rows),
-                                     "ar_tokens_per_s": ar_tps, "variants": out}
+        report["domains"][domain] = {
+            "prompts": len(rows),
+            "tokens": sum(len(a.output_ids) for _, a, _ in rows),
+            "ar_tokens_per_s": ar_tps,
+            "variants": out,
+        }
     return report
 
 
@@ -77,11 +85,18 @@ def markdown(report: dict) -> str:
     for d, r in report["domains"].items():
         lines.append(f"| {d} | {r['prompts']} | ar | - | 1.00 | {r['ar_tokens_per_s']:.1f} | 1.00x |")
         for name, v in r["variants"].items():
-            lines.append(f"| {d} | {r['prompts']} | {name} | {v['identical_greedy']}/{r['prompts']} | {v['tau']:.2f} | "
-                         f"{v['tokens_per_s']:.1f} | {v['speedup']:.2f}x |")
+            lines.append(
+                f"| {d} | {r['prompts']} | {name} | {v['identical_greedy']}/{r['prompts']} | {v['tau']:.2f} | "
+                f"{v['tokens_per_s']:.1f} | {v['speedup']:.2f}x |"
+            )
     first = next(iter(next(iter(report["domains"].values()))["variants"]))
-    lines += ["", f"Acceptance rate by block position ({first}; 1 = first drafted token):", "",
-              "| domain | " + " | ".join(str(j + 1) for j in range(15)) + " |", "|---" * 16 + "|"]
+    lines += [
+        "",
+        f"Acceptance rate by block position ({first}; 1 = first drafted token):",
+        "",
+        "| domain | " + " | ".join(str(j + 1) for j in range(15)) + " |",
+        "|---" * 16 + "|",
+    ]
     for d, r in report["domains"].items():
         acc = r["variants"][first]["accept_by_position"]
         lines.append(f"| {d} | " + " | ".join(f"{x:.2f}" if x is not None else "-" for x in acc) + " |")

@@ -43,26 +43,45 @@ Example: adaflash experiment swap --config configs/experiment_swap.yaml --out ru
 def register(subparsers) -> None:
     p = subparsers.add_parser("experiment", help="online-learning measurements: domain-shift recovery, hot-swap cost")
     sub = p.add_subparsers(dest="experiment", required=True)
-    d = sub.add_parser("domain-shift", help="OPD vs OSD vs no update after a domain shift, per online round",
-                       description=DOMAIN_SHIFT, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r = sub.add_parser("replay", help="losses side by side on recorded traffic, over seeds (offline)",
-                       description=REPLAY, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s = sub.add_parser("swap", help="failed requests and inter-token latency around a registry hot-swap",
-                       description=SWAP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for q, func, example in ((d, run_domain_shift, "configs/experiment_domain_shift.yaml"),
-                             (r, run_replay, "configs/experiment_replay.yaml"), (s, run_swap, "configs/experiment_swap.yaml")):
+    d = sub.add_parser(
+        "domain-shift",
+        help="OPD vs OSD vs no update after a domain shift, per online round",
+        description=DOMAIN_SHIFT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r = sub.add_parser(
+        "replay",
+        help="losses side by side on recorded traffic, over seeds (offline)",
+        description=REPLAY,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s = sub.add_parser(
+        "swap",
+        help="failed requests and inter-token latency around a registry hot-swap",
+        description=SWAP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for q, func, example in (
+        (d, run_domain_shift, "configs/experiment_domain_shift.yaml"),
+        (r, run_replay, "configs/experiment_replay.yaml"),
+        (s, run_swap, "configs/experiment_swap.yaml"),
+    ):
         q.add_argument("--config", required=True, help=f"YAML, e.g. {example}")
         q.add_argument("--out", required=True, help="output folder (results, report, plots)")
         if q is not r:  # the replay touches no registry
-            q.add_argument("--tracking-uri", default=None,
-                           help="MLflow server URL (overrides tracking_uri; default: a private server under OUT/mlflow)")
+            q.add_argument(
+                "--tracking-uri",
+                default=None,
+                help="MLflow server URL (overrides tracking_uri; default: a private server under OUT/mlflow)",
+            )
         q.set_defaults(func=func)
     d.add_argument("--arms", default=None, help="comma list of arms to run, overriding the config's (e.g. head,opd)")
 
 
 def run_domain_shift(args: argparse.Namespace) -> int:
-    from adaflash.config import load_config
     from adaflash.pipelines.online_experiment import Experiment, ExperimentConfig
+
+    from adaflash.config import load_config
 
     cfg = load_config(args.config, ExperimentConfig)
     cfg.tracking_uri = args.tracking_uri or cfg.tracking_uri
@@ -75,8 +94,9 @@ def run_domain_shift(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from adaflash.config import load_config
     from adaflash.pipelines.loss_replay import Replay, ReplayConfig
+
+    from adaflash.config import load_config
 
     cfg = load_config(args.config, ReplayConfig)
     Replay(cfg, args.out).run()
@@ -85,8 +105,9 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def run_swap(args: argparse.Namespace) -> int:
-    from adaflash.config import load_config
     from adaflash.pipelines.swap_bench import SwapConfig, run_swap_bench
+
+    from adaflash.config import load_config
 
     cfg = load_config(args.config, SwapConfig)
     cfg.tracking_uri = args.tracking_uri or cfg.tracking_uri

@@ -19,12 +19,12 @@ from adaflash.engine import Engine, FixedPolicy, Request
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, save_length_head
 
 
-def collect_rounds(target, drafter, prompt_ids: list[list[int]], max_new: int, concurrency: int, eos: list[int],
-                   draft_len: int | None = None):
+def collect_rounds(
+    target, drafter, prompt_ids: list[list[int]], max_new: int, concurrency: int, eos: list[int], draft_len: int | None = None
+):
     """-> (block states [N, L, H], accepted [N]) from full-block verification rounds (L = draft_len or K)."""
     k = min(draft_len or drafter.block_size, drafter.block_size)
-    engine = Engine(target, drafter, FixedPolicy(k), eos, max_batch=concurrency, token_budget=concurrency * k + 4096,
-                    keep_hidden=True)
+    engine = Engine(target, drafter, FixedPolicy(k), eos, max_batch=concurrency, token_budget=concurrency * k + 4096, keep_hidden=True)
     for i, ids in enumerate(prompt_ids):
         engine.submit(Request(f"fit-{i}", ids, max_new))
     bar, finished = tqdm(total=len(prompt_ids), desc="collect rounds", unit="prompt"), []
@@ -36,8 +36,19 @@ def collect_rounds(target, drafter, prompt_ids: list[list[int]], max_new: int, c
     return torch.stack([r.hidden for r in rounds]).float(), torch.tensor([r.accepted for r in rounds])
 
 
-def fit_head(target, drafter, drafter_dir: Path, prompt_ids: list[list[int]], max_new: int, concurrency: int,
-             eos: list[int], epochs: int, lr: float, seed: int = 0, draft_len: int | None = None) -> dict:
+def fit_head(
+    target,
+    drafter,
+    drafter_dir: Path,
+    prompt_ids: list[list[int]],
+    max_new: int,
+    concurrency: int,
+    eos: list[int],
+    epochs: int,
+    lr: float,
+    seed: int = 0,
+    draft_len: int | None = None,
+) -> dict:
     hidden, accepted = collect_rounds(target, drafter, prompt_ids, max_new, concurrency, eos, draft_len)
     k = hidden.shape[1]  # the block length the head reads
     torch.manual_seed(seed)

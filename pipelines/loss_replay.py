@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from adaflash.trainer.config import LossSection, TrainSection
 from tqdm import tqdm
 
 from adaflash.config import ConfigError, from_dict, to_dict
-from adaflash.trainer.config import LossSection, TrainSection
 
 
 @dataclass
@@ -84,8 +84,10 @@ class ReplayConfig:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.train.seed or self.train.head_refit_epochs:
-            raise ValueError("train.seed and train.head_refit_epochs are not used by the replay (it trains the drafter "
-                             "only, once per entry of `seeds`): remove them and list the seeds under `seeds`")
+            raise ValueError(
+                "train.seed and train.head_refit_epochs are not used by the replay (it trains the drafter "
+                "only, once per entry of `seeds`): remove them and list the seeds under `seeds`"
+            )
         if not 0.0 <= self.heldout_frac < 1.0:
             raise ValueError(f"heldout_frac must be in [0, 1), got {self.heldout_frac}")
 
@@ -111,16 +113,19 @@ def read_rounds(buffer: Path, rounds: int, log=print) -> list[list]:
             continue
         trajs += from_arrow(table)
     if len(trajs) < rounds:
-        raise ConfigError(f"{buffer} holds {len(trajs)} readable trajectories, fewer than rounds={rounds}; point `buffer` "
-                          "at the buffer of a run that served traffic (e.g. an `adaflash experiment domain-shift` arm)")
+        raise ConfigError(
+            f"{buffer} holds {len(trajs)} readable trajectories, fewer than rounds={rounds}; point `buffer` "
+            "at the buffer of a run that served traffic (e.g. an `adaflash experiment domain-shift` arm)"
+        )
     trajs.sort(key=lambda t: t.created_ns)
     return [trajs[i * len(trajs) // rounds : (i + 1) * len(trajs) // rounds] for i in range(rounds)]
 
 
 def eval_answers(cfg: ReplayConfig, target, out: Path) -> list[dict]:
     """The target's greedy answers to the eval prompts (plain decoding through the engine), cached as JSON."""
-    from adaflash.engine import ARPolicy, Engine, Request
     from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
+
+    from adaflash.engine import ARPolicy, Engine, Request
 
     path, ec = out / "eval_answers.json", cfg.eval
     key = {"target": target.identity, "eval": to_dict(ec), "prompt_sets": str(cfg.prompt_sets)}
@@ -195,15 +200,19 @@ class Replay:
         from adaflash.trainer.data import is_heldout, supervise, to_sequences
 
         cfg = self.cfg
-        self.rounds = [[s for s in to_sequences(part) if not is_heldout(s.request_id, cfg.heldout_frac)]
-                       for part in read_rounds(Path(cfg.buffer), cfg.rounds, self.log)]
+        self.rounds = [
+            [s for s in to_sequences(part) if not is_heldout(s.request_id, cfg.heldout_frac)]
+            for part in read_rounds(Path(cfg.buffer), cfg.rounds, self.log)
+        ]
         self.eval = eval_sequences(eval_answers(cfg, self.target, self.out), cfg.eval.domain, self.k_blk, cfg.eval.stride)
         t = cfg.train
         for part in self.rounds + [self.eval]:  # the teacher, once: every (loss, seed) reads the same rows
             supervise(self.target.model, part, t.eval_seqs)
-        self.log(f"[replay] {sum(map(len, self.rounds))} training trajectories in {cfg.rounds} rounds "
-                 f"({[len(r) for r in self.rounds]}), {len(self.eval)} eval answers, "
-                 f"{sum(len(s.anchors) for s in self.eval)} eval blocks")
+        self.log(
+            f"[replay] {sum(map(len, self.rounds))} training trajectories in {cfg.rounds} rounds "
+            f"({[len(r) for r in self.rounds]}), {len(self.eval)} eval answers, "
+            f"{sum(len(s.anchors) for s in self.eval)} eval blocks"
+        )
 
     def _drafter(self):
         from adaflash.drafter import load_drafter
@@ -271,8 +280,15 @@ class Replay:
             taus.append(self.heldout_tau(drafter))
             bar.set_postfix(tau=f"{taus[-1]:.3f}")
         bar.close()
-        rec = {"loss": name, "seed": seed, "loss_config": to_dict(lc), "tau": taus, "train_loss": losses,
-               "weights": weights_digest(drafter), "minutes": round((time.perf_counter() - t0) / 60, 2)}
+        rec = {
+            "loss": name,
+            "seed": seed,
+            "loss_config": to_dict(lc),
+            "tau": taus,
+            "train_loss": losses,
+            "weights": weights_digest(drafter),
+            "minutes": round((time.perf_counter() - t0) / 60, 2),
+        }
         self.log(f"[replay] {name} seed {seed}: tau " + " ".join(f"{x:.3f}" for x in taus) + f" ({rec['minutes']:.1f} min)")
         return rec
 
@@ -286,17 +302,19 @@ def write_report(runs: list[dict], cfg: ReplayConfig, out: Path, log=print) -> d
     names = [n for n in cfg.loss_sections if any(r["loss"] == n for r in runs)]
     by = {n: {r["seed"]: r for r in runs if r["loss"] == n} for n in names}
     start = runs[0]["tau"][0] if runs else math.nan
-    summary = {n: {"seeds": sorted(by[n]), "mean": [statistics.fmean(x) for x in zip(*(r["tau"] for r in by[n].values()))]}
-               for n in names}
-    lines = [f"# Loss replay: {len(names)} losses x {len({r['seed'] for r in runs})} seeds on recorded traffic "
-             f"({cfg.rounds} rounds)", "",
-             f"Start drafter `{cfg.drafter}`, traffic `{cfg.buffer}`, {cfg.train.steps_per_update} steps per round "
-             f"(lr {cfg.train.lr}, {cfg.train.seqs_per_step} trajectories x {cfg.train.anchors_per_seq} recorded blocks per step, "
-             f"replay {cfg.train.replay_rounds} rounds). Held-out: teacher-forced tau on the target's greedy answers to "
-             f"{cfg.eval.prompts} {cfg.eval.domain} eval prompts (after the first {cfg.eval.skip}), one block anchored every "
-             f"{cfg.eval.stride} answer positions. Start tau {start:.3f}. Cells: mean ± sd over seeds.", "",
-             "| loss | seeds | " + " | ".join(f"round {r}" for r in range(1, cfg.rounds + 1)) + " | final / start |",
-             "|---|---|" + "---|" * (cfg.rounds + 1)]
+    summary = {n: {"seeds": sorted(by[n]), "mean": [statistics.fmean(x) for x in zip(*(r["tau"] for r in by[n].values()))]} for n in names}
+    lines = [
+        f"# Loss replay: {len(names)} losses x {len({r['seed'] for r in runs})} seeds on recorded traffic ({cfg.rounds} rounds)",
+        "",
+        f"Start drafter `{cfg.drafter}`, traffic `{cfg.buffer}`, {cfg.train.steps_per_update} steps per round "
+        f"(lr {cfg.train.lr}, {cfg.train.seqs_per_step} trajectories x {cfg.train.anchors_per_seq} recorded blocks per step, "
+        f"replay {cfg.train.replay_rounds} rounds). Held-out: teacher-forced tau on the target's greedy answers to "
+        f"{cfg.eval.prompts} {cfg.eval.domain} eval prompts (after the first {cfg.eval.skip}), one block anchored every "
+        f"{cfg.eval.stride} answer positions. Start tau {start:.3f}. Cells: mean ± sd over seeds.",
+        "",
+        "| loss | seeds | " + " | ".join(f"round {r}" for r in range(1, cfg.rounds + 1)) + " | final / start |",
+        "|---|---|" + "---|" * (cfg.rounds + 1),
+    ]
     for n in names:
         rs = list(by[n].values())
         cells = [_mean_sd([r["tau"][k] for r in rs]) for k in range(1, cfg.rounds + 1)]
@@ -309,14 +327,22 @@ def write_report(runs: list[dict], cfg: ReplayConfig, out: Path, log=print) -> d
             continue
         diffs = [by[n][s]["tau"][-1] - by[ref][s]["tau"][-1] for s in seeds]
         allr = [by[n][s]["tau"][k] - by[ref][s]["tau"][k] for s in seeds for k in range(1, cfg.rounds + 1)]
-        summary[n]["vs_" + ref] = {"final_diff": diffs, "final_mean": statistics.fmean(diffs),
-                                   "wins_final": sum(d > 0 for d in diffs), "wins_all_rounds": sum(d > 0 for d in allr),
-                                   "ties_all_rounds": sum(d == 0 for d in allr), "rounds_compared": len(allr)}
+        summary[n]["vs_" + ref] = {
+            "final_diff": diffs,
+            "final_mean": statistics.fmean(diffs),
+            "wins_final": sum(d > 0 for d in diffs),
+            "wins_all_rounds": sum(d > 0 for d in allr),
+            "ties_all_rounds": sum(d == 0 for d in allr),
+            "rounds_compared": len(allr),
+        }
         v = summary[n]["vs_" + ref]
-        verdicts.append(f"{n} - {ref}, final round, same seed: {v['final_mean']:+.3f} mean ("
-                        + ", ".join(f"{d:+.3f}" for d in diffs) + f"); {n} ahead in {v['wins_final']} of {len(seeds)} seeds "
-                        f"at the end and in {v['wins_all_rounds']} of {len(allr)} (seed, round) pairs "
-                        f"({v['ties_all_rounds']} ties)")
+        verdicts.append(
+            f"{n} - {ref}, final round, same seed: {v['final_mean']:+.3f} mean ("
+            + ", ".join(f"{d:+.3f}" for d in diffs)
+            + f"); {n} ahead in {v['wins_final']} of {len(seeds)} seeds "
+            f"at the end and in {v['wins_all_rounds']} of {len(allr)} (seed, round) pairs "
+            f"({v['ties_all_rounds']} ties)"
+        )
     plot = plot_replay(runs, names, cfg.rounds, out)
     lines += [""] + verdicts + ["", f"![{plot.stem}]({plot.name})"]
     result = {"config": to_dict(cfg), "start_tau": start, "runs": runs, "summary": summary, "verdicts": verdicts}
@@ -329,9 +355,8 @@ def write_report(runs: list[dict], cfg: ReplayConfig, out: Path, log=print) -> d
 
 def plot_replay(runs: list[dict], names: list[str], rounds: int, out: Path) -> Path:
     """Mean tau per round per loss, with the spread over seeds (min..max) shaded."""
-    from matplotlib.ticker import MaxNLocator
-
     from adaflash.pipelines.plots import _pyplot
+    from matplotlib.ticker import MaxNLocator
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))

@@ -109,13 +109,18 @@ class ExperimentConfig:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         owned = {"target", "max_rounds", "checkpoint", "mlflow"} & set(self.trainer)
-        owned |= {f"{s}.{k}" for s, ks in (("drafter", ("init_dir", "from_registry")), ("loss", ("kind",)),
-                                           ("buffer", ("dir", "min_new_rounds"))) for k in ks if k in self.trainer.get(s, {})}
+        owned |= {
+            f"{s}.{k}"
+            for s, ks in (("drafter", ("init_dir", "from_registry")), ("loss", ("kind",)), ("buffer", ("dir", "min_new_rounds")))
+            for k in ks
+            if k in self.trainer.get(s, {})
+        }
         if owned:
             raise ValueError(f"trainer: {sorted(owned)} are set by the experiment per arm; remove them")
 
 
 # ----------------------------------------------------------------------------- pieces
+
 
 @dataclass
 class Prompt:
@@ -176,11 +181,11 @@ class ProbePolicy(FixedPolicy):
         return [k_blk] * len(states), pred.tolist()
 
 
-def serve(target, slot: Slot, policy, prompts: list[Prompt], max_new: int, sc: ServeSection, id_prefix: str,
-          desc: str) -> tuple[list[RequestState], dict]:
+def serve(
+    target, slot: Slot, policy, prompts: list[Prompt], max_new: int, sc: ServeSection, id_prefix: str, desc: str
+) -> tuple[list[RequestState], dict]:
     """Serve prompts through a fresh engine with `slot`'s drafter -> (the finished requests, their stats)."""
-    engine = Engine(target.model, slot.drafter, policy, target.eos_ids, sc.max_batch, sc.token_budget,
-                    head=slot.head, version=slot.version)
+    engine = Engine(target.model, slot.drafter, policy, target.eos_ids, sc.max_batch, sc.token_budget, head=slot.head, version=slot.version)
     for p in prompts:
         engine.submit(Request(f"{id_prefix}-{p.prompt_id}", p.ids, max_new, domain=p.domain))
     t0 = time.perf_counter()
@@ -192,10 +197,18 @@ def serve(target, slot: Slot, policy, prompts: list[Prompt], max_new: int, sc: S
     wall = time.perf_counter() - t0
     tokens, rounds = sum(len(s.out) for s in states), sum(len(s.rounds) for s in states)
     k = engine.k_blk
-    pairs = [(r.pred, min(1.0, (r.accepted + 1) / k)) for s in states for r in s.rounds
-             if r.pred == r.pred and r.verify_len == k]  # full blocks the head predicted: (prediction, label)
-    st = {"tau": (tokens - len(states)) / max(1, rounds), "tokens": tokens, "rounds": rounds,
-          "tokens_per_s": tokens / wall, "wall_s": wall, "policy": policy.name, **head_error(pairs)}
+    pairs = [
+        (r.pred, min(1.0, (r.accepted + 1) / k)) for s in states for r in s.rounds if r.pred == r.pred and r.verify_len == k
+    ]  # full blocks the head predicted: (prediction, label)
+    st = {
+        "tau": (tokens - len(states)) / max(1, rounds),
+        "tokens": tokens,
+        "rounds": rounds,
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+        "policy": policy.name,
+        **head_error(pairs),
+    }
     if getattr(policy, "ref_head", None) is not None:  # the starting head on the same blocks
         ref = [(p, min(1.0, (s.rounds[i].accepted + 1) / k)) for s, i, p in policy.ref if s.rounds[i].verify_len == k]
         st.update({f"start_{key}": v for key, v in head_error(ref).items()})
@@ -212,8 +225,7 @@ def head_error(pairs: list[tuple[float, float]]) -> dict:
     mean = sum(y for _, y in pairs) / n
     var = sum((y - mean) ** 2 for _, y in pairs) / n
     mse = sum((p - y) ** 2 for p, y in pairs) / n
-    return {"head_mae": sum(abs(p - y) for p, y in pairs) / n, "head_r2": 1 - mse / var if var > 0 else None,
-            "head_blocks": n}
+    return {"head_mae": sum(abs(p - y) for p, y in pairs) / n, "head_r2": 1 - mse / var if var > 0 else None, "head_blocks": n}
 
 
 def interleave(lists: list[list]) -> list:
@@ -261,8 +273,12 @@ def tracking_server(uri: str | None, root: Path):
 
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    proc = start_mlflow_server(port=port, store_uri=f"sqlite:///{(root / 'mlflow.db').resolve()}",
-                               artifacts_dir=str((root / "artifacts").resolve()), log_path=root / "server.log")
+    proc = start_mlflow_server(
+        port=port,
+        store_uri=f"sqlite:///{(root / 'mlflow.db').resolve()}",
+        artifacts_dir=str((root / "artifacts").resolve()),
+        log_path=root / "server.log",
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 180, proc)
@@ -291,16 +307,21 @@ def run_meta(out: Path, cfg: ExperimentConfig, kind: str) -> dict:
 
 # ----------------------------------------------------------------------------- the experiment
 
+
 def trainer_config(cfg: ExperimentConfig, arm: str, arm_dir: Path, uri: str, model_name: str):
     """The arm's OnlineConfig: the shared `trainer` keys plus what the experiment owns."""
     from adaflash.trainer.config import OnlineConfig
 
     data = json.loads(json.dumps(cfg.trainer))
-    own = {"target": {"source": cfg.target, "dtype": cfg.dtype},
-           "drafter": {"init_dir": cfg.drafter, "from_registry": False},
-           "buffer": {"dir": str(arm_dir / "buffer"), "min_new_rounds": 1},  # one shard = one online round
-           "loss": {"kind": arm}, "checkpoint": {"dir": str(arm_dir / "ckpt")},
-           "mlflow": {"tracking_uri": uri, "experiment": "domain-shift", "model_name": model_name}, "max_rounds": 0}
+    own = {
+        "target": {"source": cfg.target, "dtype": cfg.dtype},
+        "drafter": {"init_dir": cfg.drafter, "from_registry": False},
+        "buffer": {"dir": str(arm_dir / "buffer"), "min_new_rounds": 1},  # one shard = one online round
+        "loss": {"kind": arm},
+        "checkpoint": {"dir": str(arm_dir / "ckpt")},
+        "mlflow": {"tracking_uri": uri, "experiment": "domain-shift", "model_name": model_name},
+        "max_rounds": 0,
+    }
     for k, v in own.items():
         data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
     return from_dict(OnlineConfig, data, "trainer")
@@ -329,8 +350,16 @@ class Experiment:
     def heldout(self, slot: Slot) -> dict:
         """Held-out tau and head MAE of `slot` (cached by weight fingerprint)."""
         if slot.fingerprint not in self.evals:
-            _, st = serve(self.target, slot, ProbePolicy(self.start.head), self.held, self.cfg.heldout.max_new_tokens, self.cfg.serve,
-                          "heldout", f"held-out v{slot.version}")
+            _, st = serve(
+                self.target,
+                slot,
+                ProbePolicy(self.start.head),
+                self.held,
+                self.cfg.heldout.max_new_tokens,
+                self.cfg.serve,
+                "heldout",
+                f"held-out v{slot.version}",
+            )
             self.evals[slot.fingerprint] = st
             self.evals_path.write_text(json.dumps(self.evals, indent=1))
         return self.evals[slot.fingerprint]
@@ -366,26 +395,41 @@ class Experiment:
                 slot = self.champion(registry, arm_dir, slot)
             ev = self.heldout(slot)
             minutes += (time.perf_counter() - t0) / 60 if r else 0.0  # online time: round 0 only measures the start
-            row = {"arm": arm, "round": r, "served_tau": served and served["tau"],
-                   "served_tokens_per_s": served and served["tokens_per_s"], "traffic_policy": served and served["policy"],
-                   "heldout_tau": ev["tau"], "head_mae": ev["head_mae"], "head_blocks": ev["head_blocks"],
-                   "traffic_head_mae": served and served["head_mae"], "head_r2": ev.get("head_r2"),
-                   "traffic_head_r2": served and served.get("head_r2"),
-                   "start_head_mae": ev.get("start_head_mae"), "start_head_r2": ev.get("start_head_r2"),
-                   "minutes": round(minutes, 3), "rows_trained": summary["train"] if summary else 0,
-                   "drafter_version": slot.version, "fingerprint": slot.fingerprint,
-                   "promoted": summary and summary["promote"], "trainer_tau_before": summary and summary["tau_before"],
-                   "trainer_tau_after": summary and summary["tau_after"],
-                   "trainer_head_mae": summary and summary["head_mae_after"], "loss_last": summary and summary["loss_last"]}
+            row = {
+                "arm": arm,
+                "round": r,
+                "served_tau": served and served["tau"],
+                "served_tokens_per_s": served and served["tokens_per_s"],
+                "traffic_policy": served and served["policy"],
+                "heldout_tau": ev["tau"],
+                "head_mae": ev["head_mae"],
+                "head_blocks": ev["head_blocks"],
+                "traffic_head_mae": served and served["head_mae"],
+                "head_r2": ev.get("head_r2"),
+                "traffic_head_r2": served and served.get("head_r2"),
+                "start_head_mae": ev.get("start_head_mae"),
+                "start_head_r2": ev.get("start_head_r2"),
+                "minutes": round(minutes, 3),
+                "rows_trained": summary["train"] if summary else 0,
+                "drafter_version": slot.version,
+                "fingerprint": slot.fingerprint,
+                "promoted": summary and summary["promote"],
+                "trainer_tau_before": summary and summary["tau_before"],
+                "trainer_tau_after": summary and summary["tau_after"],
+                "trainer_head_mae": summary and summary["head_mae_after"],
+                "loss_last": summary and summary["loss_last"],
+            }
             with open(self.rows_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             self.rows.append(row)
             bar.update(1)
-            self.log(f"[{arm}] round {r}: held-out tau {ev['tau']:.3f}"
-                     + (f", traffic tau {served['tau']:.3f}" if served else "")
-                     + (f", head MAE {ev['head_mae']:.3f}" if ev["head_mae"] is not None else "")
-                     + (f", trained on {summary['train']} rows ({'promoted' if summary['promote'] else 'rejected'})" if summary else "")
-                     + f", v{slot.version}, {minutes:.1f} min")
+            self.log(
+                f"[{arm}] round {r}: held-out tau {ev['tau']:.3f}"
+                + (f", traffic tau {served['tau']:.3f}" if served else "")
+                + (f", head MAE {ev['head_mae']:.3f}" if ev["head_mae"] is not None else "")
+                + (f", trained on {summary['train']} rows ({'promoted' if summary['promote'] else 'rejected'})" if summary else "")
+                + f", v{slot.version}, {minutes:.1f} min"
+            )
         bar.close()
 
     def serve_round(self, arm: str, arm_dir: Path, r: int, slot: Slot, trainer) -> dict:
@@ -401,8 +445,9 @@ class Experiment:
         cs = self.cfg.serve
         # fixed: whole blocks, with the head's prediction recorded (its error on live traffic it has not trained on)
         policy = HeadPolicy(slot.head) if cs.policy == "head" and slot.head is not None else ProbePolicy()
-        states, st = serve(self.target, slot, policy, self.traffic[r - 1], self.cfg.traffic.max_new_tokens, cs,
-                           f"r{r}", f"{arm} traffic r{r}")
+        states, st = serve(
+            self.target, slot, policy, self.traffic[r - 1], self.cfg.traffic.max_new_tokens, cs, f"r{r}", f"{arm} traffic r{r}"
+        )
         writer = ShardWriter(buf, writer_id, rows_per_shard=10**9, max_age_s=None)
         writer.extend(Engine.trajectory(s, writer_id) for s in states)
         st["shard"] = writer.close()
@@ -430,6 +475,7 @@ class Experiment:
 
 # ----------------------------------------------------------------------------- report
 
+
 def _fmt(v, spec=".3f") -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
@@ -439,8 +485,12 @@ def write_report(rows: list[dict], cfg: ExperimentConfig, meta: dict, out: Path,
     rows = sorted(rows, key=lambda r: (arms.index(r["arm"]), r["round"]))
     final = {a: max((r for r in rows if r["arm"] == a), key=lambda r: r["round"]) for a in arms}
     start = next((r["heldout_tau"] for r in rows if r["round"] == 0), None)
-    gate = {"start_tau": start, "final_tau": {a: f["heldout_tau"] for a, f in final.items()},
-            "final_round": {a: f["round"] for a, f in final.items()}, "min_gain": cfg.min_gain}
+    gate = {
+        "start_tau": start,
+        "final_tau": {a: f["heldout_tau"] for a, f in final.items()},
+        "final_round": {a: f["round"] for a, f in final.items()},
+        "min_gain": cfg.min_gain,
+    }
     opd, osd = final.get("opd"), final.get("osd")
     gate["gain_met"] = bool(opd and start and opd["round"] == cfg.rounds and opd["heldout_tau"] >= cfg.min_gain * start)
     gate["opd_ge_osd"] = bool(opd and osd and opd["heldout_tau"] >= osd["heldout_tau"]) if osd else None
@@ -448,26 +498,34 @@ def write_report(rows: list[dict], cfg: ExperimentConfig, meta: dict, out: Path,
     result = {"meta": meta, "rows": rows, "gate": gate}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     plots = plot_rounds(rows, arms, cfg.min_gain, start, out)
-    lines = [f"# Domain shift: a no-code drafter serving code traffic ({cfg.rounds} online rounds)", "",
-             f"Start drafter `{cfg.drafter}`, traffic {cfg.traffic.domains} (train split, {cfg.traffic.prompts_per_round} "
-             f"prompts x {cfg.traffic.max_new_tokens} tokens per round, policy {cfg.serve.policy}), held-out "
-             f"{cfg.heldout.prompts} {cfg.heldout.domain} eval prompts x {cfg.heldout.max_new_tokens} tokens, whole blocks verified.",
-             "tau = tokens committed per target forward (engine, greedy). Head MAE = |predicted - (accepted+1)/K| on held-out "
-             "blocks; traffic head MAE: the same for the head that served round r's traffic (round r-1's), before it trained on it.",
-             "Head R^2 = 1 - MSE / variance of the labels: the share of the blocks' acceptance variance the head explains. "
-             "Start head: the starting drafter's head, never updated, on the same held-out blocks of the round's drafter.",
-             "", "| arm | round | held-out tau | traffic tau | head MAE | head R^2 | start head MAE | start head R^2 "
-             "| traffic head MAE | traffic head R^2 | rows trained | promoted | version | minutes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Domain shift: a no-code drafter serving code traffic ({cfg.rounds} online rounds)",
+        "",
+        f"Start drafter `{cfg.drafter}`, traffic {cfg.traffic.domains} (train split, {cfg.traffic.prompts_per_round} "
+        f"prompts x {cfg.traffic.max_new_tokens} tokens per round, policy {cfg.serve.policy}), held-out "
+        f"{cfg.heldout.prompts} {cfg.heldout.domain} eval prompts x {cfg.heldout.max_new_tokens} tokens, whole blocks verified.",
+        "tau = tokens committed per target forward (engine, greedy). Head MAE = |predicted - (accepted+1)/K| on held-out "
+        "blocks; traffic head MAE: the same for the head that served round r's traffic (round r-1's), before it trained on it.",
+        "Head R^2 = 1 - MSE / variance of the labels: the share of the blocks' acceptance variance the head explains. "
+        "Start head: the starting drafter's head, never updated, on the same held-out blocks of the round's drafter.",
+        "",
+        "| arm | round | held-out tau | traffic tau | head MAE | head R^2 | start head MAE | start head R^2 "
+        "| traffic head MAE | traffic head R^2 | rows trained | promoted | version | minutes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         promoted = "-" if r["promoted"] is None else ("yes" if r["promoted"] else "no")
-        lines.append(f"| {r['arm']} | {r['round']} | {_fmt(r['heldout_tau'])} | {_fmt(r['served_tau'])} | "
-                     f"{_fmt(r['head_mae'])} | {_fmt(r.get('head_r2'))} | {_fmt(r.get('start_head_mae'))} | "
-                     f"{_fmt(r.get('start_head_r2'))} | {_fmt(r.get('traffic_head_mae'))} | "
-                     f"{_fmt(r.get('traffic_head_r2'))} | {r['rows_trained']} | {promoted} | {r['drafter_version']} | {r['minutes']:.1f} |")
-    verdict = (f"Gate: OPD held-out tau {_fmt(gate['final_tau'].get('opd'))} vs {cfg.min_gain} x start {_fmt(start)} "
-               f"= {_fmt(start and cfg.min_gain * start)}: {'met' if gate['gain_met'] else 'NOT met'}; OPD >= OSD: "
-               + ({True: "met", False: "NOT met", None: "n/a (no osd arm)"}[gate["opd_ge_osd"]]))
+        lines.append(
+            f"| {r['arm']} | {r['round']} | {_fmt(r['heldout_tau'])} | {_fmt(r['served_tau'])} | "
+            f"{_fmt(r['head_mae'])} | {_fmt(r.get('head_r2'))} | {_fmt(r.get('start_head_mae'))} | "
+            f"{_fmt(r.get('start_head_r2'))} | {_fmt(r.get('traffic_head_mae'))} | "
+            f"{_fmt(r.get('traffic_head_r2'))} | {r['rows_trained']} | {promoted} | {r['drafter_version']} | {r['minutes']:.1f} |"
+        )
+    verdict = (
+        f"Gate: OPD held-out tau {_fmt(gate['final_tau'].get('opd'))} vs {cfg.min_gain} x start {_fmt(start)} "
+        f"= {_fmt(start and cfg.min_gain * start)}: {'met' if gate['gain_met'] else 'NOT met'}; OPD >= OSD: "
+        + ({True: "met", False: "NOT met", None: "n/a (no osd arm)"}[gate["opd_ge_osd"]])
+    )
     head_lines = [head_verdict(a, [r for r in rows if r["arm"] == a]) for a in arms if a != "none"]
     lines += ["", verdict, ""] + [x for x in head_lines if x] + [""] + [f"![{p.stem}]({p.name})" for p in plots]
     (out / "report.md").write_text("\n".join(lines) + "\n")
@@ -486,8 +544,10 @@ def head_verdict(arm: str, rows: list[dict]) -> str | None:
         return None
     first, last = pts[0], pts[-1]
     ref = "" if last.get("start_head_mae") is None else f" (the start head on the same blocks: {_fmt(last['start_head_mae'])})"
-    return (f"Head ({arm}): held-out MAE {_fmt(first['head_mae'])} at round {first['round']} -> {_fmt(last['head_mae'])} "
-            f"at round {last['round']}{ref}; R^2 {_fmt(first.get('head_r2'))} -> {_fmt(last.get('head_r2'))}")
+    return (
+        f"Head ({arm}): held-out MAE {_fmt(first['head_mae'])} at round {first['round']} -> {_fmt(last['head_mae'])} "
+        f"at round {last['round']}{ref}; R^2 {_fmt(first.get('head_r2'))} -> {_fmt(last.get('head_r2'))}"
+    )
 
 
 def plot_rounds(rows: list[dict], arms: list[str], min_gain: float, start: float | None, out: Path) -> list[Path]:
@@ -497,12 +557,26 @@ def plot_rounds(rows: list[dict], arms: list[str], min_gain: float, start: float
     from matplotlib.ticker import MaxNLocator
 
     paths = []
-    for name, key, ylabel, title in (("tau_per_round", "heldout_tau", "tau (tokens per target forward)",
-                                      "Held-out tau per online round (solid) and traffic tau (dashed)"),
-                                     ("head_error_per_round", "head_mae", "length-head MAE",
-                                      "Length-head MAE: held-out (solid), next round's traffic (dashed),\nstart head never updated, same held-out blocks (dotted)"),
-                                     ("head_r2_per_round", "head_r2", "length-head R^2 (1 - MSE / label variance)",
-                                      "Length-head R^2: held-out (solid), next round's traffic (dashed),\nstart head never updated, same held-out blocks (dotted)")):
+    for name, key, ylabel, title in (
+        (
+            "tau_per_round",
+            "heldout_tau",
+            "tau (tokens per target forward)",
+            "Held-out tau per online round (solid) and traffic tau (dashed)",
+        ),
+        (
+            "head_error_per_round",
+            "head_mae",
+            "length-head MAE",
+            "Length-head MAE: held-out (solid), next round's traffic (dashed),\nstart head never updated, same held-out blocks (dotted)",
+        ),
+        (
+            "head_r2_per_round",
+            "head_r2",
+            "length-head R^2 (1 - MSE / label variance)",
+            "Length-head R^2: held-out (solid), next round's traffic (dashed),\nstart head never updated, same held-out blocks (dotted)",
+        ),
+    ):
         fig, ax = plt.subplots(figsize=(6.4, 4))
         for i, arm in enumerate(arms):
             pts = [(r["round"], r.get(key)) for r in rows if r["arm"] == arm and r.get(key) is not None]
@@ -514,8 +588,11 @@ def plot_rounds(rows: list[dict], arms: list[str], min_gain: float, start: float
             served = [(r["round"] - shift, r[dashed]) for r in rows if r["arm"] == arm and r.get(dashed) is not None]
             if served:
                 ax.plot(*zip(*served), ls="--", color=f"C{i}", alpha=0.6)
-            ref = [(r["round"], r.get(f"start_{key}")) for r in rows
-                   if r["arm"] == arm and r["round"] > 0 and key.startswith("head") and r.get(f"start_{key}") is not None]
+            ref = [
+                (r["round"], r.get(f"start_{key}"))
+                for r in rows
+                if r["arm"] == arm and r["round"] > 0 and key.startswith("head") and r.get(f"start_{key}") is not None
+            ]
             if ref:  # the starting head, never updated, on the same held-out blocks
                 ax.plot(*zip(*ref), ls=":", marker="x", color=f"C{i}", alpha=0.6)
         if key == "heldout_tau" and start:

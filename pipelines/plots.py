@@ -31,8 +31,14 @@ def plot_acceptance(report: dict, path: Path) -> Path:
         for name, style in zip(shown, ("-", "--")):
             v = r["variants"][name]
             ys = [y for y in v["accepted_at_least" if at_least else "accept_by_position"] if y is not None]
-            ax.plot(range(1, len(ys) + 1), ys, style, marker="o", color=f"C{ci}",
-                    label=f"{domain} {name.removeprefix('dflash-')} (tau {v['tau']:.2f})")
+            ax.plot(
+                range(1, len(ys) + 1),
+                ys,
+                style,
+                marker="o",
+                color=f"C{ci}",
+                label=f"{domain} {name.removeprefix('dflash-')} (tau {v['tau']:.2f})",
+            )
     ax.set_xlabel("block position (1 = first drafted token)")
     ax.set_ylabel("share of rounds accepting >= j drafts" if at_least else "acceptance rate")
     ax.set_ylim(0, 1)

@@ -112,6 +112,7 @@ class EvalSection:
             raise ValueError("eval.verify_lens and eval.trees must be >= 1")
         if not self.lookup or any(n < 0 for n in self.lookup):
             raise ValueError("eval.lookup lists prompt-lookup branch lengths >= 0 for the trees (0 = none), e.g. [0, 8]")
+
     drafter_dtype: str = "auto"  # bf16 where fast: drafts need not be exact, verification (target dtype) is
 
 
@@ -150,8 +151,10 @@ class AnswerSet:
             feat_path = f.with_name(f.name.replace(".parquet", ".features.safetensors"))
             if features:
                 if not feat_path.exists():
-                    raise FileNotFoundError(f"{feat_path} is missing: these answers were regenerated without features "
-                                            "(regen.store_features: false); set train.features: target")
+                    raise FileNotFoundError(
+                        f"{feat_path} is missing: these answers were regenerated without features "
+                        "(regen.store_features: false); set train.features: target"
+                    )
                 self._files[f.name] = safe_open(str(feat_path), framework="pt")
             for r in pq.read_table(f).to_pylist():
                 r["shard"] = f.name
@@ -160,8 +163,9 @@ class AnswerSet:
                 if len(r["response_ids"]) >= 2:  # need an anchor with at least one label
                     self.rows.append(r)
         if not self.rows:
-            raise FileNotFoundError(f"no regenerated answers{f' of domains {domains}' if domains else ''} in {answers_dir}: "
-                                    "run the 'regenerate' stage first")
+            raise FileNotFoundError(
+                f"no regenerated answers{f' of domains {domains}' if domains else ''} in {answers_dir}: run the 'regenerate' stage first"
+            )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -262,9 +266,15 @@ def ds_config(tc: TrainSection) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": tc.grad_clip,
         "optimizer": {"type": "AdamW", "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "torch_adam": True}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": tc.max_steps, "warmup_num_steps": max(1, int(tc.warmup_frac * tc.max_steps)),
-            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.05}},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": tc.max_steps,
+                "warmup_num_steps": max(1, int(tc.warmup_frac * tc.max_steps)),
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": 0.05,
+            },
+        },
         "steps_per_print": 10**9,
     }
 
@@ -321,14 +331,15 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
     tc = cfg.train
     data = AnswerSet(answers_path(cfg), cfg.train.domains, features=tc.features == "stored")
     dev = target.model.lm_head.weight.device
-    dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size,
-                                  cfg.drafter.qk_norm)
+    dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size, cfg.drafter.qk_norm)
     torch.manual_seed(tc.seed)
     drafter = Drafter(dcfg, target.model)
     if cfg.drafter.init == "target-last":
         if cfg.drafter.qk_norm != target.model.config.qk_norm:
-            raise ValueError("drafter.init target-last copies the target's attention: set drafter.qk_norm to the "
-                             f"target's style ({target.model.config.qk_norm})")
+            raise ValueError(
+                "drafter.init target-last copies the target's attention: set drafter.qk_norm to the "
+                f"target's style ({target.model.config.qk_norm})"
+            )
         init_from_target(drafter, target)  # a resumed run overwrites this with its checkpoint
     init_distributed()
     engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=drafter.parameters(), config=ds_config(tc))
@@ -373,8 +384,13 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
 
     if rank == 0:
         plot_training(log_path, run_dir / "training.png")
-    return {"steps": step, "steps_this_run": step - started, "seconds_this_run": round(time.perf_counter() - t0, 1),
-            "sequences": len(data), "done": step >= tc.max_steps}
+    return {
+        "steps": step,
+        "steps_this_run": step - started,
+        "seconds_this_run": round(time.perf_counter() - t0, 1),
+        "sequences": len(data),
+        "done": step >= tc.max_steps,
+    }
 
 
 def export(cfg: PretrainConfig, target: Target, run_dir: Path) -> Path:
@@ -386,14 +402,19 @@ def export(cfg: PretrainConfig, target: Target, run_dir: Path) -> Path:
     from safetensors.torch import load_file
 
     state = load_file(str(ckpt / tag / "drafter.safetensors"))
-    dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size,
-                                  cfg.drafter.qk_norm)
+    dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size, cfg.drafter.qk_norm)
     drafter = Drafter(dcfg, target.model)
     drafter.load_state_dict(state)
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
-    extra = {"training": {"recipe": "dflash-offline", "checkpoint": tag, "steps": log[-1]["step"] if log else 0,
-                          "config": to_dict(cfg.train),
-                          "sequences": len(AnswerSet(answers_path(cfg), cfg.train.domains, features=False))}}
+    extra = {
+        "training": {
+            "recipe": "dflash-offline",
+            "checkpoint": tag,
+            "steps": log[-1]["step"] if log else 0,
+            "config": to_dict(cfg.train),
+            "sequences": len(AnswerSet(answers_path(cfg), cfg.train.domains, features=False)),
+        }
+    }
     return drafter.save(Path(cfg.drafter_out), extra=extra)
 
 
@@ -406,13 +427,16 @@ def stage_device(name: str) -> str:
 
 def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
     """Run the named stages in pipeline order; each stage resumes where it stopped."""
-    from adaflash.drafter import load_drafter
     from adaflash.pipelines.evaluate import evaluate, write_report
     from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
 
+    from adaflash.drafter import load_drafter
+
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and set(stages) != {"train"}:
-        raise ValueError("under a multi-process launcher (WORLD_SIZE > 1) run only `--stage train`; run the other "
-                         "stages as one process before and after it")
+        raise ValueError(
+            "under a multi-process launcher (WORLD_SIZE > 1) run only `--stage train`; run the other "
+            "stages as one process before and after it"
+        )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)  # a run that reuses another's answers_dir starts at `train`
     prompts_dir = run_dir / "prompts"
@@ -431,9 +455,19 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
 
                 rc = cfg.regen
                 records = read_prompts(prompts_dir / "train.parquet", rc.domains, rc.limit_per_domain)
-                summary[stage] = regenerate(target, records, answers_path(cfg), rc.batch_size, rc.max_new_tokens, rc.samples,
-                                            rc.temperature, rc.store_features, rc.seed, rc.time_limit_min,
-                                            rc.max_batch_tokens)
+                summary[stage] = regenerate(
+                    target,
+                    records,
+                    answers_path(cfg),
+                    rc.batch_size,
+                    rc.max_new_tokens,
+                    rc.samples,
+                    rc.temperature,
+                    rc.store_features,
+                    rc.seed,
+                    rc.time_limit_min,
+                    rc.max_batch_tokens,
+                )
             elif stage == "train":
                 summary[stage] = train(cfg, target, run_dir)
             else:
@@ -442,11 +476,12 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
             target = load_target(cfg.target.source, cfg.target.dtype)
             drafter = load_drafter(cfg.drafter_out, target.model, target.identity, cfg.eval.drafter_dtype)
             records = read_prompts(prompts_dir / "eval.parquet", cfg.eval.domains, cfg.eval.per_domain)
-            report = evaluate(target, drafter, records, cfg.eval.max_new_tokens, cfg.eval.verify_lens, cfg.eval.trees,
-                              cfg.eval.lookup)
+            report = evaluate(target, drafter, records, cfg.eval.max_new_tokens, cfg.eval.verify_lens, cfg.eval.trees, cfg.eval.lookup)
             write_report(report, Path(cfg.drafter_out))
-            summary[stage] = {d: {name: {"tau": round(v["tau"], 2), "speedup": round(v["speedup"], 2)}
-                                  for name, v in r["variants"].items()} for d, r in report["domains"].items()}
+            summary[stage] = {
+                d: {name: {"tau": round(v["tau"], 2), "speedup": round(v["speedup"], 2)} for name, v in r["variants"].items()}
+                for d, r in report["domains"].items()
+            }
         timings[stage] = round(time.perf_counter() - t0, 1)
     if int(os.environ.get("RANK", "0")) != 0:
         return {"seconds": timings, **summary}

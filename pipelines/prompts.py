@@ -71,15 +71,77 @@ HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{promp
 CODE_TEMPLATE = "Write a Python {kind} `{name}{signature}` that does the following:\n{doc}"
 
 CODE_MODULES: tuple[str, ...] = (
-    "argparse", "ast", "base64", "bisect", "calendar", "cmd", "collections", "colorsys",
-    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "difflib", "dis",
-    "email.message", "email.utils", "enum", "filecmp", "fileinput", "fnmatch", "fractions",
-    "functools", "getopt", "gettext", "glob", "graphlib", "gzip", "heapq", "hmac", "html",
-    "http.cookiejar", "http.cookies", "inspect", "ipaddress", "json", "linecache", "logging",
-    "mimetypes", "ntpath", "numbers", "optparse", "os", "pathlib", "platform", "plistlib",
-    "posixpath", "pprint", "queue", "quopri", "random", "reprlib", "sched", "secrets", "shlex",
-    "shutil", "statistics", "string", "tarfile", "tempfile", "textwrap", "threading", "timeit",
-    "tokenize", "traceback", "typing", "urllib.parse", "urllib.request", "uuid", "weakref",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "cmd",
+    "collections",
+    "colorsys",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "difflib",
+    "dis",
+    "email.message",
+    "email.utils",
+    "enum",
+    "filecmp",
+    "fileinput",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "graphlib",
+    "gzip",
+    "heapq",
+    "hmac",
+    "html",
+    "http.cookiejar",
+    "http.cookies",
+    "inspect",
+    "ipaddress",
+    "json",
+    "linecache",
+    "logging",
+    "mimetypes",
+    "ntpath",
+    "numbers",
+    "optparse",
+    "os",
+    "pathlib",
+    "platform",
+    "plistlib",
+    "posixpath",
+    "pprint",
+    "queue",
+    "quopri",
+    "random",
+    "reprlib",
+    "sched",
+    "secrets",
+    "shlex",
+    "shutil",
+    "statistics",
+    "string",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "traceback",
+    "typing",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "weakref",
     "zipfile",
 )
 """Standard-library modules mined for `code` prompts (mostly pure Python, so signatures resolve)."""
@@ -148,8 +210,7 @@ def _load_aime() -> list[PromptRecord]:
     out: list[PromptRecord] = []
     for part in ("I", "II"):
         rows = _read_json_rows(str(_bench_data() / "AIME2025" / f"aime2025-{part}.jsonl"))
-        out += [_record("aime", f"2025-{part}-{i + 1:02d}", r["question"], str(r["answer"]))
-                for i, r in enumerate(rows)]
+        out += [_record("aime", f"2025-{part}-{i + 1:02d}", r["question"], str(r["answer"])) for i, r in enumerate(rows)]
     return out
 
 
@@ -158,8 +219,7 @@ def _load_humaneval() -> list[PromptRecord]:
     out = []
     for r in _read_json_rows(str(path)):
         number = int(r["task_id"].split("/")[1])
-        out.append(_record("humaneval", f"{number:04d}", HUMANEVAL_TEMPLATE.format(prompt=r["prompt"]),
-                           r["canonical_solution"]))
+        out.append(_record("humaneval", f"{number:04d}", HUMANEVAL_TEMPLATE.format(prompt=r["prompt"]), r["canonical_solution"]))
     return out
 
 
@@ -274,8 +334,16 @@ def load_domain(domain: str) -> list[PromptRecord]:
 
 def _write_parquet(records: list[PromptRecord], path: Path) -> None:
     table = pa.Table.from_pylist(
-        [{"prompt_id": r.prompt_id, "domain": r.domain, "split": r.split,
-          "messages": json.dumps(r.messages, ensure_ascii=False), "reference": r.reference} for r in records],
+        [
+            {
+                "prompt_id": r.prompt_id,
+                "domain": r.domain,
+                "split": r.split,
+                "messages": json.dumps(r.messages, ensure_ascii=False),
+                "reference": r.reference,
+            }
+            for r in records
+        ],
         schema=SCHEMA,
     )
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -303,8 +371,7 @@ def build_prompt_sets(out_dir: Path, domains: Iterable[str] = DOMAINS) -> dict[s
     return paths
 
 
-def read_prompts(path: Path, domains: list[str] | None = None,
-                 limit_per_domain: int | None = None) -> list[PromptRecord]:
+def read_prompts(path: Path, domains: list[str] | None = None, limit_per_domain: int | None = None) -> list[PromptRecord]:
     """Records of a file written by build_prompt_sets, in file order.
 
     `domains` keeps only those domains (unknown names raise ValueError); `limit_per_domain` keeps
@@ -320,6 +387,13 @@ def read_prompts(path: Path, domains: list[str] | None = None,
         if limit_per_domain is not None and taken.get(domain, 0) >= limit_per_domain:
             continue
         taken[domain] = taken.get(domain, 0) + 1
-        out.append(PromptRecord(prompt_id=row["prompt_id"], domain=domain, split=row["split"],
-                                messages=json.loads(row["messages"]), reference=row["reference"]))
+        out.append(
+            PromptRecord(
+                prompt_id=row["prompt_id"],
+                domain=domain,
+                split=row["split"],
+                messages=json.loads(row["messages"]),
+                reference=row["reference"],
+            )
+        )
     return out

@@ -64,8 +64,14 @@ def next_tokens(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator 
 
 
 @torch.no_grad()
-def answer_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, temps: list[float] | None = None,
-                 gen: torch.Generator | None = None, features: bool = True) -> list[tuple[list[int], bool, torch.Tensor | None]]:
+def answer_batch(
+    target: Target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temps: list[float] | None = None,
+    gen: torch.Generator | None = None,
+    features: bool = True,
+) -> list[tuple[list[int], bool, torch.Tensor | None]]:
     """Answers for a batch -> per prompt (response ids, ended with EOS, features [P+R-1, n*H] or None).
     `temps`: per prompt sampling temperature (None or 0 = greedy)."""
     model, eos = target.model, set(target.eos_ids)
@@ -114,25 +120,37 @@ def batches(lengths: list[int], batch_size: int, max_batch_tokens: int | None) -
     out, start = [], 0
     while start < len(lengths):
         end = start + 1
-        while end < len(lengths) and end - start < batch_size and (
-                max_batch_tokens is None or (end + 1 - start) * lengths[end] <= max_batch_tokens):
+        while (
+            end < len(lengths)
+            and end - start < batch_size
+            and (max_batch_tokens is None or (end + 1 - start) * lengths[end] <= max_batch_tokens)
+        ):
             end += 1
         out.append((start, end))
         start = end
     return out
 
 
-def regenerate(target: Target, records: list, out_dir: Path, batch_size: int, max_new_tokens: int,
-               samples: int = 0, temperature: float = 0.8, store_features: bool = True, seed: int = 0,
-               time_limit_min: float | None = None, max_batch_tokens: int | None = None) -> dict:
+def regenerate(
+    target: Target,
+    records: list,
+    out_dir: Path,
+    batch_size: int,
+    max_new_tokens: int,
+    samples: int = 0,
+    temperature: float = 0.8,
+    store_features: bool = True,
+    seed: int = 0,
+    time_limit_min: float | None = None,
+    max_batch_tokens: int | None = None,
+) -> dict:
     """Answer every (record, sample) not answered yet; returns counts and throughput.
     Stops after the batch that crosses `time_limit_min` (a rerun continues)."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     done = done_prompt_ids(out_dir)
-    jobs = [(r, f"{r.prompt_id}#s{j}" if j else r.prompt_id, temperature if j else 0.0)
-            for r in records for j in range(samples + 1)]
+    jobs = [(r, f"{r.prompt_id}#s{j}" if j else r.prompt_id, temperature if j else 0.0) for r in records for j in range(samples + 1)]
     todo = [j for j in jobs if j[1] not in done]
     chats = {r.prompt_id: target.encode_chat(r.messages) for r in {r.prompt_id: r for r, _, _ in todo}.values()}
     encoded = sorted(todo, key=lambda j: len(chats[j[0].prompt_id]))  # similar lengths batch together: less padding
@@ -146,20 +164,29 @@ def regenerate(target: Target, records: list, out_dir: Path, batch_size: int, ma
             break
         batch = encoded[start:end]
         gen = torch.Generator(dev).manual_seed(seed * 1_000_003 + shard)  # a shard's samples are reproducible
-        answers = answer_batch(target, [chats[r.prompt_id] for r, _, _ in batch], max_new_tokens,
-                               [t for _, _, t in batch], gen, features=store_features)
+        answers = answer_batch(
+            target, [chats[r.prompt_id] for r, _, _ in batch], max_new_tokens, [t for _, _, t in batch], gen, features=store_features
+        )
         rows, feats, offset = [], [], 0
         for (rec, answer_id, temp), (resp, fin, f) in zip(batch, answers):
-            rows.append(dict(prompt_id=answer_id, domain=rec.domain, prompt_ids=chats[rec.prompt_id], response_ids=resp,
-                             finished=fin, feat_offset=offset if store_features else -1, temperature=temp))
+            rows.append(
+                dict(
+                    prompt_id=answer_id,
+                    domain=rec.domain,
+                    prompt_ids=chats[rec.prompt_id],
+                    response_ids=resp,
+                    finished=fin,
+                    feat_offset=offset if store_features else -1,
+                    temperature=temp,
+                )
+            )
             if store_features:
                 feats.append(f)
                 offset += f.shape[0]
             new_tokens += len(resp)
         name = f"answers-{shard:05d}"
         if store_features:
-            save_file({"features": torch.cat(feats).to(torch.bfloat16).contiguous()},
-                      str(out_dir / f"{name}.features.safetensors"))
+            save_file({"features": torch.cat(feats).to(torch.bfloat16).contiguous()}, str(out_dir / f"{name}.features.safetensors"))
         tmp = out_dir / f".{name}.parquet.tmp"
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
         os.replace(tmp, out_dir / f"{name}.parquet")
@@ -168,7 +195,13 @@ def regenerate(target: Target, records: list, out_dir: Path, batch_size: int, ma
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
-    stats = {"prompts": len(records), "answers": len(jobs), "answered_now": answered, "new_tokens": new_tokens,
-             "seconds": round(time.perf_counter() - t0, 1), "done": answered == len(todo)}
+    stats = {
+        "prompts": len(records),
+        "answers": len(jobs),
+        "answered_now": answered,
+        "new_tokens": new_tokens,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "done": answered == len(todo),
+    }
     (out_dir / "last_run.json").write_text(json.dumps(stats, indent=2))
     return stats

@@ -72,8 +72,7 @@ class Client(threading.Thread):
 
     def one(self, http: httpx.Client, messages: list[dict]) -> dict:
         rec = {"t_start": time.monotonic(), "chunks": [], "error": None, "finish": None, "version": None}
-        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True}
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 0, "stream": True}
         try:
             with http.stream("POST", f"{self.url}/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -114,8 +113,10 @@ def load_messages(sets: Path, domains: list[str], max_chars: int) -> list[list[d
 
     if not (sets / "eval.parquet").exists():
         build_prompt_sets(sets)
-    per = [[r.messages for r in read_prompts(sets / "eval.parquet", [d])
-            if sum(len(m["content"]) for m in r.messages) <= max_chars] for d in domains]
+    per = [
+        [r.messages for r in read_prompts(sets / "eval.parquet", [d]) if sum(len(m["content"]) for m in r.messages) <= max_chars]
+        for d in domains
+    ]
     out = interleave(per)
     if not out:
         raise ValueError(f"no eval prompts of {domains} under {max_chars} characters in {sets}")
@@ -135,11 +136,12 @@ def gaps_in(requests: list[dict], t0: float, t1: float) -> list[float]:
 
 
 def run_swap_bench(cfg: SwapConfig, out: Path, log=print) -> dict:
-    from adaflash.config import from_dict
     from adaflash.pipelines.online_experiment import free_port, tracking_server
-    from adaflash.registry import Registry
     from adaflash.server.app import GracefulServer, create_app
     from adaflash.server.config import ServeConfig
+
+    from adaflash.config import from_dict
+    from adaflash.registry import Registry
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,14 +151,31 @@ def run_swap_bench(cfg: SwapConfig, out: Path, log=print) -> dict:
         registry = Registry(uri, f"swap-bench-{tag}")
         v1 = registry.register(cfg.drafter, tags={"source": "swap-bench v1"})
         registry.set_champion(v1)
-        serve_cfg = from_dict(ServeConfig, {
-            "port": free_port(), "log_level": "warning", "shutdown_grace_s": 30,
-            "model": {"name": "swap-bench", "target": cfg.target, "dtype": cfg.dtype, "drafter": cfg.drafter,
-                      "drafter_dtype": cfg.drafter_dtype, "drafter_version": v1, "policy": cfg.policy},
-            "engine": {"max_batch": cfg.max_batch, "token_budget": cfg.token_budget, "max_queued": 4 * cfg.clients},
-            "trajectories": {"enabled": False},
-            "registry": {"tracking_uri": uri, "model_name": registry.model_name, "cache_dir": str(out / "registry-cache"),
-                         "interval_s": cfg.poll_interval_s}})
+        serve_cfg = from_dict(
+            ServeConfig,
+            {
+                "port": free_port(),
+                "log_level": "warning",
+                "shutdown_grace_s": 30,
+                "model": {
+                    "name": "swap-bench",
+                    "target": cfg.target,
+                    "dtype": cfg.dtype,
+                    "drafter": cfg.drafter,
+                    "drafter_dtype": cfg.drafter_dtype,
+                    "drafter_version": v1,
+                    "policy": cfg.policy,
+                },
+                "engine": {"max_batch": cfg.max_batch, "token_budget": cfg.token_budget, "max_queued": 4 * cfg.clients},
+                "trajectories": {"enabled": False},
+                "registry": {
+                    "tracking_uri": uri,
+                    "model_name": registry.model_name,
+                    "cache_dir": str(out / "registry-cache"),
+                    "interval_s": cfg.poll_interval_s,
+                },
+            },
+        )
         app = create_app(serve_cfg)
         server = GracefulServer(app, "127.0.0.1", serve_cfg.port, serve_cfg.shutdown_grace_s, "warning")
         thread = threading.Thread(target=server.run, daemon=True)
@@ -220,8 +239,15 @@ def measure(cfg: SwapConfig, url: str, registry, prompts: list[list[dict]], log)
     status = httpx.get(f"{url}/v1/status", timeout=10).json()
     reqs = [r for c in clients for r in c.requests]
     before, during = gaps_in(reqs, t_trigger - cfg.window_s, t_trigger), gaps_in(reqs, t_trigger, t_end)
-    stats = {w: {"p50_ms": _pct(g, 0.5) and 1000 * _pct(g, 0.5), "p95_ms": _pct(g, 0.95) and 1000 * _pct(g, 0.95),
-                 "max_ms": max(g) * 1000 if g else None, "gaps": len(g)} for w, g in (("before", before), ("during", during))}
+    stats = {
+        w: {
+            "p50_ms": _pct(g, 0.5) and 1000 * _pct(g, 0.5),
+            "p95_ms": _pct(g, 0.95) and 1000 * _pct(g, 0.95),
+            "max_ms": max(g) * 1000 if g else None,
+            "gaps": len(g),
+        }
+        for w, g in (("before", before), ("during", during))
+    }
     ratio = (stats["during"]["p95_ms"] / stats["before"]["p95_ms"]) if stats["before"]["p95_ms"] and stats["during"]["p95_ms"] else None
     failed = [r for r in reqs if r["error"]]
     by_version: dict[str, int] = {}
@@ -229,36 +255,64 @@ def measure(cfg: SwapConfig, url: str, registry, prompts: list[list[dict]], log)
         if not r["error"]:
             by_version[str(r["version"])] = by_version.get(str(r["version"]), 0) + 1
     return {
-        "v2": v2, "requests": len(reqs), "failed": len(failed), "errors": [r["error"] for r in failed][:10],
-        "requests_by_version": by_version, "swapped": t_live is not None and status.get("drafter_version") == v2,
+        "v2": v2,
+        "requests": len(reqs),
+        "failed": len(failed),
+        "errors": [r["error"] for r in failed][:10],
+        "requests_by_version": by_version,
+        "swapped": t_live is not None and status.get("drafter_version") == v2,
         "server_registry": status.get("registry"),
-        "register_s": t_moved - t_trigger, "swap_staged_s": t_staged and t_staged - t_moved,
-        "swap_live_s": t_live and t_live - t_moved, "poll_interval_s": cfg.poll_interval_s,
-        "itl": stats, "p95_ratio": ratio,
-        "p50_ratio": (stats["during"]["p50_ms"] / stats["before"]["p50_ms"]) if stats["before"]["p50_ms"] and stats["during"]["p50_ms"] else None,
-        "windows_s": {"before": [t_trigger - cfg.window_s - t_begin, t_trigger - t_begin], "during": [t_trigger - t_begin, t_end - t_begin]},
+        "register_s": t_moved - t_trigger,
+        "swap_staged_s": t_staged and t_staged - t_moved,
+        "swap_live_s": t_live and t_live - t_moved,
+        "poll_interval_s": cfg.poll_interval_s,
+        "itl": stats,
+        "p95_ratio": ratio,
+        "p50_ratio": (stats["during"]["p50_ms"] / stats["before"]["p50_ms"])
+        if stats["before"]["p50_ms"] and stats["during"]["p50_ms"]
+        else None,
+        "windows_s": {
+            "before": [t_trigger - cfg.window_s - t_begin, t_trigger - t_begin],
+            "during": [t_trigger - t_begin, t_end - t_begin],
+        },
     }
 
 
 def write_swap_report(res: dict, cfg: SwapConfig, out: Path, log=print) -> None:
-    res["gate"] = {"zero_failures": res["failed"] == 0, "ratio_ok": res["p95_ratio"] is not None and res["p95_ratio"] <= cfg.max_ratio,
-                   "max_ratio": cfg.max_ratio}
+    res["gate"] = {
+        "zero_failures": res["failed"] == 0,
+        "ratio_ok": res["p95_ratio"] is not None and res["p95_ratio"] <= cfg.max_ratio,
+        "max_ratio": cfg.max_ratio,
+    }
     res["gate"]["met"] = res["gate"]["zero_failures"] and res["gate"]["ratio_ok"] and res["swapped"]
     res["config"] = to_dict(cfg)
     (out / "swap.json").write_text(json.dumps(res, indent=1))
     f = lambda v, s=".1f": "-" if v is None else format(v, s)  # noqa: E731
     i = res["itl"]
-    lines = [f"# Hot-swap under load ({cfg.clients} streaming clients, {cfg.max_tokens} tokens each, policy {cfg.policy})", "",
-             f"Swap v{res['v1']} -> v{res['v2']}: registered in {f(res['register_s'], '.2f')} s; after the champion moved, "
-             f"staged in {f(res['swap_staged_s'], '.2f')} s and live in {f(res['swap_live_s'], '.2f')} s "
-             f"(registry polled every {cfg.poll_interval_s} s). Swapped: {'yes' if res['swapped'] else 'NO'}.", "",
-             f"Requests: {res['requests']}, failed: {res['failed']}; finished per drafter version: {res['requests_by_version']}", "",
-             "| window | inter-token p50 (ms) | p95 (ms) | max (ms) | gaps |", "|---|---|---|---|---|"]
+    lines = [
+        f"# Hot-swap under load ({cfg.clients} streaming clients, {cfg.max_tokens} tokens each, policy {cfg.policy})",
+        "",
+        f"Swap v{res['v1']} -> v{res['v2']}: registered in {f(res['register_s'], '.2f')} s; after the champion moved, "
+        f"staged in {f(res['swap_staged_s'], '.2f')} s and live in {f(res['swap_live_s'], '.2f')} s "
+        f"(registry polled every {cfg.poll_interval_s} s). Swapped: {'yes' if res['swapped'] else 'NO'}.",
+        "",
+        f"Requests: {res['requests']}, failed: {res['failed']}; finished per drafter version: {res['requests_by_version']}",
+        "",
+        "| window | inter-token p50 (ms) | p95 (ms) | max (ms) | gaps |",
+        "|---|---|---|---|---|",
+    ]
     for w in ("before", "during"):
         lines.append(f"| {w} | {f(i[w]['p50_ms'])} | {f(i[w]['p95_ms'])} | {f(i[w]['max_ms'])} | {i[w]['gaps']} |")
-    verdict = (f"Gate: failures {res['failed']} (must be 0), p95 ratio during/before {f(res['p95_ratio'], '.2f')} "
-               f"(<= {cfg.max_ratio}): {'met' if res['gate']['met'] else 'NOT met'}")
-    lines += ["", "Inter-token latency = gap between consecutive stream chunks (one per engine step). "
-              "'during' = from registering v2 until the swap is live + the window.", "", verdict]
+    verdict = (
+        f"Gate: failures {res['failed']} (must be 0), p95 ratio during/before {f(res['p95_ratio'], '.2f')} "
+        f"(<= {cfg.max_ratio}): {'met' if res['gate']['met'] else 'NOT met'}"
+    )
+    lines += [
+        "",
+        "Inter-token latency = gap between consecutive stream chunks (one per engine step). "
+        "'during' = from registering v2 until the swap is live + the window.",
+        "",
+        verdict,
+    ]
     (out / "swap.md").write_text("\n".join(lines) + "\n")
     log(verdict)

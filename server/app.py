@@ -23,15 +23,16 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
-
-from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
 from adaflash.server import protocol as P
 from adaflash.server.config import ServeConfig
 from adaflash.server.metrics import ServerMetrics
 from adaflash.server.runner import EngineRunner, Handle, NotAccepting, Outcome, QueueFull
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
 
 log = logging.getLogger("adaflash.server")
 
@@ -61,8 +62,18 @@ def build_engine(cfg: ServeConfig, target):
         policy = ARPolicy()
     else:
         policy = FixedPolicy(int(policy_name[5:]) if policy_name[5:] else None)
-    return Engine(target.model, drafter, policy, target.eos_ids, e.max_batch, e.token_budget, head=head,
-                  version=m.drafter_version, lookup=e.lookup, lookup_min=e.lookup_min_ngram)
+    return Engine(
+        target.model,
+        drafter,
+        policy,
+        target.eos_ids,
+        e.max_batch,
+        e.token_budget,
+        head=head,
+        version=m.drafter_version,
+        lookup=e.lookup,
+        lookup_min=e.lookup_min_ngram,
+    )
 
 
 class ServerState:
@@ -99,11 +110,18 @@ class ServerState:
         else:
             engine = build_engine(cfg, target)
         ctx, e = target.model.config.max_position_embeddings, cfg.engine
-        self.limits = P.Limits(cfg.model.name, cfg.model.aliases, min(e.max_model_len or ctx, ctx), e.token_budget,
-                               engine.k_blk, e.default_max_tokens, e.max_tokens_limit, target.model.config.vocab_size)
+        self.limits = P.Limits(
+            cfg.model.name,
+            cfg.model.aliases,
+            min(e.max_model_len or ctx, ctx),
+            e.token_budget,
+            engine.k_blk,
+            e.default_max_tokens,
+            e.max_tokens_limit,
+            target.model.config.vocab_size,
+        )
         tr = cfg.trajectories
-        writer = ShardWriter(tr.buffer_dir, tr.writer_id or default_writer_id(), tr.rows_per_shard, tr.max_age_s) \
-            if tr.enabled else None
+        writer = ShardWriter(tr.buffer_dir, tr.writer_id or default_writer_id(), tr.rows_per_shard, tr.max_age_s) if tr.enabled else None
         self.target = target
         self.runner = EngineRunner(engine, writer, cfg.engine.max_queued, on_finish=self.metrics.observe)
         self.runner.start()
@@ -111,12 +129,20 @@ class ServerState:
             from adaflash.registry import HotSwapper, Registry
 
             reg = cfg.registry
-            self.swapper = HotSwapper(Registry(reg.tracking_uri, reg.model_name, retries=reg.retries), engine, target,
-                                      reg.cache_dir, reg.interval_s).start()
+            self.swapper = HotSwapper(
+                Registry(reg.tracking_uri, reg.model_name, retries=reg.retries), engine, target, reg.cache_dir, reg.interval_s
+            ).start()
         self.ready = True
-        log.info("ready in %.1f s: %s on the %s backend, policy %s, drafter version %s, block %d, trajectories %s",
-                 time.perf_counter() - t0, cfg.model.name, cfg.backend, engine.policy.name, engine.version, engine.k_blk,
-                 f"-> {tr.buffer_dir} as {writer.writer_id}" if writer else "off")
+        log.info(
+            "ready in %.1f s: %s on the %s backend, policy %s, drafter version %s, block %d, trajectories %s",
+            time.perf_counter() - t0,
+            cfg.model.name,
+            cfg.backend,
+            engine.policy.name,
+            engine.version,
+            engine.k_blk,
+            f"-> {tr.buffer_dir} as {writer.writer_id}" if writer else "off",
+        )
 
     def start_loading(self, target=None, on_error=None) -> None:
         def run():
@@ -171,16 +197,21 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), state.api_key.encode()):
-            raise P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
+            raise P.APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def serving() -> EngineRunner:
         if state.draining:
             raise P.APIError(503, "the server is shutting down", code="shutting_down", type_="server_error")
         if not state.ready:
             why = f"loading failed: {state.load_error}" if state.load_error else "the model is still loading"
-            raise P.APIError(503, f"{why}; retry when GET /ready returns 200", code="not_ready", type_="server_error",
-                             headers={"Retry-After": "5"})
+            raise P.APIError(
+                503, f"{why}; retry when GET /ready returns 200", code="not_ready", type_="server_error", headers={"Retry-After": "5"}
+            )
         return state.runner
 
     @app.get("/health")
@@ -200,25 +231,47 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model.name, "object": "model", "created": int(state.started),
-                                            "owned_by": "adaflash"}]}
+        return {
+            "object": "list",
+            "data": [{"id": cfg.model.name, "object": "model", "created": int(state.started), "owned_by": "adaflash"}],
+        }
 
     @app.get("/v1/status", dependencies=[Depends(auth)])
     async def status():
-        out = {"model": cfg.model.name, "ready": state.ready, "draining": state.draining, "load_error": state.load_error,
-               "uptime_s": round(time.time() - state.started, 1)}
+        out = {
+            "model": cfg.model.name,
+            "ready": state.ready,
+            "draining": state.draining,
+            "load_error": state.load_error,
+            "uptime_s": round(time.time() - state.started, 1),
+        }
         r = state.runner
         if r is not None:
             c, e = r.counters, r.engine
-            out.update(drafter_version=e.version, policy=e.policy.name, block_size=e.k_blk, queue_depth=r.queue_depth,
-                       max_queued=r.max_queued, running=r.running, max_batch=e.max_batch, token_budget=e.token_budget,
-                       max_model_len=state.limits.max_model_len, requests=dict(c.requests),
-                       generated_tokens=c.generated_tokens, recent=r.recent(),
-                       trajectories=None if r.writer is None else {
-                           "buffer_dir": str(r.writer.root), "writer_id": r.writer.writer_id,
-                           "rows_written": c.rows_written, "buffered_rows": r.writer.buffered_rows,
-                           "shards_written": len(r.writer.shards_written)},
-                       registry=None if state.swapper is None else state.swapper.metrics())
+            out.update(
+                drafter_version=e.version,
+                policy=e.policy.name,
+                block_size=e.k_blk,
+                queue_depth=r.queue_depth,
+                max_queued=r.max_queued,
+                running=r.running,
+                max_batch=e.max_batch,
+                token_budget=e.token_budget,
+                max_model_len=state.limits.max_model_len,
+                requests=dict(c.requests),
+                generated_tokens=c.generated_tokens,
+                recent=r.recent(),
+                trajectories=None
+                if r.writer is None
+                else {
+                    "buffer_dir": str(r.writer.root),
+                    "writer_id": r.writer.writer_id,
+                    "rows_written": c.rows_written,
+                    "buffered_rows": r.writer.buffered_rows,
+                    "shards_written": len(r.writer.shards_written),
+                },
+                registry=None if state.swapper is None else state.swapper.metrics(),
+            )
         return out
 
     @app.post("/v1/completions", dependencies=[Depends(auth)], openapi_extra=P.openapi_body(chat=False))
@@ -235,22 +288,32 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
     async def generate(request: HTTPRequest, chat: bool):
         runner = serving()
         tok = state.target.tokenizer
-        params = P.parse_request(P.parse_body(await read_body(request)), chat, state.limits, state.target.encode_chat,
-                                 tok.encode)
+        params = P.parse_request(P.parse_body(await read_body(request)), chat, state.limits, state.target.encode_chat, tok.encode)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        req = Request(rid, params.prompt_ids, params.max_tokens, params.temperature, params.seed, params.domain,
-                      stop=P.stop_rule(decode, params.stop) if params.stop else None)
+        req = Request(
+            rid,
+            params.prompt_ids,
+            params.max_tokens,
+            params.temperature,
+            params.seed,
+            params.domain,
+            stop=P.stop_rule(decode, params.stop) if params.stop else None,
+        )
         handle = Handle(req, asyncio.get_running_loop(), params.stream)
         try:
             runner.submit(handle)
         except QueueFull as e:
-            raise P.APIError(429, f"server busy: {e}; retry after a second", code="queue_full", type_="rate_limit_error",
-                             headers={"Retry-After": "1"}) from None
+            raise P.APIError(
+                429, f"server busy: {e}; retry after a second", code="queue_full", type_="rate_limit_error", headers={"Retry-After": "1"}
+            ) from None
         except NotAccepting as e:
             raise P.APIError(503, str(e), code="shutting_down", type_="server_error") from None
         if params.stream:
-            return StreamingResponse(stream(runner, handle, params, rid), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return StreamingResponse(
+                stream(runner, handle, params, rid),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+            )
         outcome = await wait(runner, handle, request)
         if outcome is None:  # the client left; nobody reads this
             return Response(status_code=499)
@@ -258,8 +321,7 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
         text = P.TextStream(decode, params.stop)
         body = text.push(outcome.output_ids) + text.finish()
         finish = "stop" if text.stopped else outcome.finish_reason
-        return P.response(rid, cfg.model.name, chat, body, finish,
-                          P.usage(len(params.prompt_ids), len(outcome.output_ids)), outcome.stats)
+        return P.response(rid, cfg.model.name, chat, body, finish, P.usage(len(params.prompt_ids), len(outcome.output_ids)), outcome.stats)
 
     async def read_body(request: HTTPRequest) -> bytes:
         """The body; 413 past P.body_limit (the rest is read and dropped, so the client still gets the answer)."""
@@ -269,8 +331,11 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
             if size <= cap:
                 parts.append(chunk)
         if size > cap:
-            raise P.APIError(413, f"the request body has {size} bytes; this server takes at most {cap} "
-                             "(room for a prompt of engine.token_budget tokens)", code="body_too_large")
+            raise P.APIError(
+                413,
+                f"the request body has {size} bytes; this server takes at most {cap} (room for a prompt of engine.token_budget tokens)",
+                code="body_too_large",
+            )
         return b"".join(parts)
 
     def failed(outcome: Outcome) -> None:
@@ -328,8 +393,7 @@ class GracefulServer(uvicorn.Server):
 
     def __init__(self, app: FastAPI, host: str, port: int, grace_s: float, log_level: str = "info"):
         # uvicorn's own timeout only bounds delivering the cancellations once our grace period is over
-        super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                        timeout_graceful_shutdown=5))
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5))
         self.app_state: ServerState = app.state.adaflash
         self.grace_s = grace_s
 
@@ -348,7 +412,8 @@ class GracefulServer(uvicorn.Server):
                 await asyncio.sleep(0.05)
             if runner.in_flight:
                 logging.getLogger("adaflash.server").warning(
-                    "grace period of %.0f s over: cancelling %d requests", self.grace_s, runner.in_flight)
+                    "grace period of %.0f s over: cancelling %d requests", self.grace_s, runner.in_flight
+                )
                 runner.cancel_all()
         await super().shutdown(sockets)
 

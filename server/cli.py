@@ -10,11 +10,13 @@ import os
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="OpenAI-compatible HTTP server on the batched speculative engine",
+        "serve",
+        help="OpenAI-compatible HTTP server on the batched speculative engine",
         description="Serves POST /v1/chat/completions and /v1/completions (streaming over SSE or not), GET /v1/models, "
-                    "/v1/status, /health, /ready and /metrics (Prometheus). Every finished request is recorded in the "
-                    "trajectory buffer; with registry.tracking_uri set, new drafter versions are hot-swapped in. "
-                    "SIGINT/SIGTERM: stop accepting, give in-flight requests shutdown_grace_s, flush trajectories.")
+        "/v1/status, /health, /ready and /metrics (Prometheus). Every finished request is recorded in the "
+        "trajectory buffer; with registry.tracking_uri set, new drafter versions are hot-swapped in. "
+        "SIGINT/SIGTERM: stop accepting, give in-flight requests shutdown_grace_s, flush trajectories.",
+    )
     p.add_argument("--config", help="YAML, e.g. configs/serve_smollm2.yaml (default: SmolLM2 fp32 + models/drafter-smollm2)")
     p.add_argument("--host", help="bind address (default: the config's, 127.0.0.1); use 0.0.0.0 only with an API key")
     p.add_argument("--port", type=int, help="port (default: the config's, 8000)")
@@ -23,10 +25,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaflash.cli import UsageError
-    from adaflash.config import ConfigError, load_config
     from adaflash.server.app import GracefulServer, create_app
     from adaflash.server.config import ServeConfig
+
+    from adaflash.cli import UsageError
+    from adaflash.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, ServeConfig) if args.config else ServeConfig()

@@ -31,8 +31,7 @@ class ModelSection:
         if not self.name.strip():
             raise ValueError("model.name must not be empty")
         if self.policy not in POLICIES and not re.fullmatch(r"fixed[1-9][0-9]*", self.policy):
-            raise ValueError(f"model.policy must be one of {', '.join(POLICIES)} or fixedK (e.g. fixed8), "
-                             f"got {self.policy!r}")
+            raise ValueError(f"model.policy must be one of {', '.join(POLICIES)} or fixedK (e.g. fixed8), got {self.policy!r}")
 
 
 @dataclass
@@ -48,9 +47,15 @@ class EngineSection:
     lookup_min_ngram: int = 2  # ... when the text's last N tokens (N = 3 down to this) occurred before
 
     def __post_init__(self):
-        _positive("engine", max_batch=self.max_batch, token_budget=self.token_budget, max_queued=self.max_queued,
-                  max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens,
-                  max_tokens_limit=self.max_tokens_limit)
+        _positive(
+            "engine",
+            max_batch=self.max_batch,
+            token_budget=self.token_budget,
+            max_queued=self.max_queued,
+            max_model_len=self.max_model_len,
+            default_max_tokens=self.default_max_tokens,
+            max_tokens_limit=self.max_tokens_limit,
+        )
         if self.lookup < 0:
             raise ValueError(f"engine.lookup must be >= 0 (0 = off), got {self.lookup}")
         if not 1 <= self.lookup_min_ngram <= 3:
@@ -124,8 +129,10 @@ class ServeConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend == "vllm" and self.model.policy in ("head", "ema"):
-            raise ValueError(f"model.policy {self.model.policy!r} needs the builtin backend; with backend vllm use "
-                             "auto or fixed (verify the whole block), fixedK (K tokens per step) or ar (no drafter)")
+            raise ValueError(
+                f"model.policy {self.model.policy!r} needs the builtin backend; with backend vllm use "
+                "auto or fixed (verify the whole block), fixedK (K tokens per step) or ar (no drafter)"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.shutdown_grace_s < 0:

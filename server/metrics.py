@@ -35,8 +35,7 @@ class _Collector:
             ("adaflash_verify_rounds", "verification rounds (one per running request per step)", c.rounds),
             ("adaflash_verify_tokens", "tokens the target verified (anchor included)", c.verify_tokens),
             ("adaflash_trajectory_rows", "finished requests appended to the trajectory buffer", c.rows_written),
-            ("adaflash_trajectory_shards", "trajectory shards published",
-             len(runner.writer.shards_written) if runner.writer else 0),
+            ("adaflash_trajectory_shards", "trajectory shards published", len(runner.writer.shards_written) if runner.writer else 0),
             ("adaflash_trajectory_errors", "trajectories that could not be recorded", c.trajectory_errors),
             ("adaflash_engine_step_errors", "engine steps that raised (their requests failed)", c.step_errors),
             ("adaflash_drafter_swaps", "drafter swaps that went live in the engine", engine.stats["swaps"]),
@@ -44,25 +43,26 @@ class _Collector:
             yield CounterMetricFamily(name, doc, value=value)
         recent = runner.recent()
         for name, doc, value in [
-            ("adaflash_tokens_per_second", f"output tokens per second over the last {runner.WINDOW_S:.0f} s",
-             recent["tokens_per_s"]),
-            ("adaflash_tau", f"tokens committed per verification round over the last {runner.WINDOW_S:.0f} s (NaN: none)",
-             recent["tau"]),
-            ("adaflash_verify_tokens_per_step", f"verified tokens per engine step over the last {runner.WINDOW_S:.0f} s",
-             recent["verify_tokens_per_step"]),
+            ("adaflash_tokens_per_second", f"output tokens per second over the last {runner.WINDOW_S:.0f} s", recent["tokens_per_s"]),
+            ("adaflash_tau", f"tokens committed per verification round over the last {runner.WINDOW_S:.0f} s (NaN: none)", recent["tau"]),
+            (
+                "adaflash_verify_tokens_per_step",
+                f"verified tokens per engine step over the last {runner.WINDOW_S:.0f} s",
+                recent["verify_tokens_per_step"],
+            ),
             ("adaflash_queue_depth", "requests waiting for a batch slot", runner.queue_depth),
             ("adaflash_running_requests", "requests in the running batch", runner.running),
         ]:
             yield GaugeMetricFamily(name, doc, value=float("nan") if value is None else value)
-        yield InfoMetricFamily("adaflash_drafter", "drafter serving new requests",
-                               value={"version": str(engine.version), "policy": engine.policy.name})
+        yield InfoMetricFamily(
+            "adaflash_drafter", "drafter serving new requests", value={"version": str(engine.version), "policy": engine.policy.name}
+        )
 
     def _swapper_counters(self) -> list:
         sw = self.state.swapper
         return [
             ("adaflash_registry_swaps", "registry versions swapped in", getattr(sw, "swaps", 0)),
-            ("adaflash_registry_refused_versions", "registry versions refused (wrong target, bad weights)",
-             getattr(sw, "refused", 0)),
+            ("adaflash_registry_refused_versions", "registry versions refused (wrong target, bad weights)", getattr(sw, "refused", 0)),
             ("adaflash_registry_poll_errors", "registry polls that failed", getattr(sw, "poll_errors", 0)),
         ]
 
@@ -70,10 +70,12 @@ class _Collector:
 class ServerMetrics:
     def __init__(self, state):
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("adaflash_time_to_first_token_seconds", "submit to first token", buckets=LATENCY_BUCKETS,
-                              registry=self.registry)
-        self.latency = Histogram("adaflash_request_latency_seconds", "submit to finish of completed requests",
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "adaflash_time_to_first_token_seconds", "submit to first token", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.latency = Histogram(
+            "adaflash_request_latency_seconds", "submit to finish of completed requests", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
         self.registry.register(_Collector(state))
 
     def observe(self, reason: str, stats: dict) -> None:

@@ -17,9 +17,18 @@ from typing import Any, Callable
 ROLES = ("system", "developer", "user", "assistant")
 COMMON = {"model", "max_tokens", "temperature", "n", "stream", "stream_options", "stop", "seed", "metadata", "user"}
 # Parameters accepted only at their neutral value, so clients that always send them keep working.
-NEUTRAL = {"top_p": (1, 1.0, None), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-           "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
-           "echo": (None, False), "suffix": (None,), "response_format": (None, {"type": "text"})}
+NEUTRAL = {
+    "top_p": (1, 1.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None,),
+    "response_format": (None, {"type": "text"}),
+}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL) - {"best_of", "echo", "suffix"}
 COMPLETION_KEYS = COMMON | {"prompt"} | set(NEUTRAL) - {"top_logprobs", "response_format"}
 
@@ -31,27 +40,41 @@ def request_schema(chat: bool) -> dict:
     nullable = lambda t, **kw: {"type": [t, "null"], **kw}  # noqa: E731
     text = {"type": "string", "minLength": 1}
     props = {
-        "model": {"type": "string"}, "max_tokens": nullable("integer", minimum=1),
-        "temperature": nullable("number", minimum=0, maximum=2), "n": {"enum": [1, None]},
-        "stream": nullable("boolean"), "stream_options": nullable("object", properties={"include_usage": {"type": "boolean"}}),
+        "model": {"type": "string"},
+        "max_tokens": nullable("integer", minimum=1),
+        "temperature": nullable("number", minimum=0, maximum=2),
+        "n": {"enum": [1, None]},
+        "stream": nullable("boolean"),
+        "stream_options": nullable("object", properties={"include_usage": {"type": "boolean"}}),
         "stop": {"anyOf": [text, {"type": "array", "items": text, "maxItems": 4}, {"type": "null"}]},
         "seed": nullable("integer", minimum=-(2**63), maximum=2**63 - 1),
-        "metadata": nullable("object", additionalProperties={"type": "string"}), "user": nullable("string"),
+        "metadata": nullable("object", additionalProperties={"type": "string"}),
+        "user": nullable("string"),
         **{k: {"enum": list(v)} for k, v in NEUTRAL.items()},
     }
     if chat:
-        part = {"type": "object", "required": ["type", "text"],
-                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-        message = {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"enum": list(ROLES)}, "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
-        props.update(messages={"type": "array", "items": message, "minItems": 1},
-                     max_completion_tokens=nullable("integer", minimum=1))
+        part = {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+        message = {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {"role": {"enum": list(ROLES)}, "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}},
+        }
+        props.update(messages={"type": "array", "items": message, "minItems": 1}, max_completion_tokens=nullable("integer", minimum=1))
     else:
-        props["prompt"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
-                                     {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
+        props["prompt"] = {
+            "anyOf": [
+                text,
+                {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            ]
+        }
     allowed = CHAT_KEYS if chat else COMPLETION_KEYS
-    return {"type": "object", "required": ["model", "messages" if chat else "prompt"], "additionalProperties": False,
-            "properties": {k: v for k, v in props.items() if k in allowed}}
+    return {
+        "type": "object",
+        "required": ["model", "messages" if chat else "prompt"],
+        "additionalProperties": False,
+        "properties": {k: v for k, v in props.items() if k in allowed},
+    }
 
 
 def openapi_body(chat: bool) -> dict:
@@ -62,8 +85,15 @@ def openapi_body(chat: bool) -> dict:
 class APIError(Exception):
     """An HTTP error in OpenAI's JSON shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type, self.headers = type_, headers
@@ -120,8 +150,7 @@ def parse_body(raw: bytes) -> dict:
     try:  # a lone surrogate escape ("\ud800") is no text: the tokenizer, Parquet and the response JSON refuse it
         json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError as e:
-        raise bad(f"request body is not valid Unicode text: {e.reason} at {e.object[e.start:e.end]!r}",
-                  code="invalid_json") from None
+        raise bad(f"request body is not valid Unicode text: {e.reason} at {e.object[e.start : e.end]!r}", code="invalid_json") from None
     return body
 
 
@@ -142,7 +171,7 @@ def _message_text(m: Any, i: int) -> dict:
         raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
     if isinstance(content, list):  # content parts: only text parts are supported
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise bad(f"{where}.content parts must all be {{\"type\": \"text\", \"text\": str}}", f"{where}.content")
+            raise bad(f'{where}.content parts must all be {{"type": "text", "text": str}}', f"{where}.content")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
@@ -162,8 +191,9 @@ def parse_request(body: dict, chat: bool, limits: Limits, encode_chat: Callable,
     if not isinstance(model, str):
         raise bad("'model' is required and must be a string", "model")
     if model != limits.model_name and model not in limits.aliases:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {limits.model_name!r} (see /v1/models)",
-                       "model", "model_not_found")
+        raise APIError(
+            404, f"model {model!r} does not exist; this server serves {limits.model_name!r} (see /v1/models)", "model", "model_not_found"
+        )
     n = body.get("n", 1)
     if n is not None and (not _is_int(n) or n != 1):
         raise bad(f"only n=1 is supported, got n={n!r}", "n")
@@ -185,15 +215,18 @@ def parse_request(body: dict, chat: bool, limits: Limits, encode_chat: Callable,
         raise bad("'stop' must be a non-empty string or a list of up to 4 non-empty strings", "stop")
     meta = body.get("metadata") or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise bad("'metadata' must be an object of string values, e.g. {\"domain\": \"math\"}", "metadata")
+        raise bad('\'metadata\' must be an object of string values, e.g. {"domain": "math"}', "metadata")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
 
     ids = _prompt_ids(body, chat, limits, encode_chat, encode_text)
     room = limits.max_model_len - len(ids) - limits.block
     if len(ids) > limits.token_budget:
-        raise bad(f"the prompt has {len(ids)} tokens; this server prefills at most {limits.token_budget} "
-                  "(engine.token_budget)", "messages" if chat else "prompt", "context_length_exceeded")
+        raise bad(
+            f"the prompt has {len(ids)} tokens; this server prefills at most {limits.token_budget} (engine.token_budget)",
+            "messages" if chat else "prompt",
+            "context_length_exceeded",
+        )
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(key)
     if max_tokens is None:
@@ -201,11 +234,24 @@ def parse_request(body: dict, chat: bool, limits: Limits, encode_chat: Callable,
     elif not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens_limit:
         raise bad(f"'{key}' must be an integer in [1, {limits.max_tokens_limit}], got {max_tokens!r}", key)
     if max_tokens < 1 or len(ids) + max_tokens + limits.block > limits.max_model_len:
-        raise bad(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has {len(ids)} tokens "
-                  f"and {key} is {max_tokens} (plus {limits.block} tokens of speculation slack): shorten the prompt "
-                  f"or lower {key}", "messages" if chat else "prompt", "context_length_exceeded")
-    return GenParams(chat, ids, max_tokens, float(temperature), secrets.randbits(31) if seed is None else seed, stops,
-                     bool(body.get("stream")), bool(opts.get("include_usage")), meta.get("domain"))
+        raise bad(
+            f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has {len(ids)} tokens "
+            f"and {key} is {max_tokens} (plus {limits.block} tokens of speculation slack): shorten the prompt "
+            f"or lower {key}",
+            "messages" if chat else "prompt",
+            "context_length_exceeded",
+        )
+    return GenParams(
+        chat,
+        ids,
+        max_tokens,
+        float(temperature),
+        secrets.randbits(31) if seed is None else seed,
+        stops,
+        bool(body.get("stream")),
+        bool(opts.get("include_usage")),
+        meta.get("domain"),
+    )
 
 
 def _prompt_ids(body: dict, chat: bool, limits: Limits, encode_chat: Callable, encode_text: Callable) -> list[int]:
@@ -305,19 +351,27 @@ class TextStream:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
 def response(rid: str, model: str, chat: bool, text: str, finish: str, use: dict, stats: dict) -> dict:
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
-              if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": use, "adaflash": stats}
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        if chat
+        else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    )
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+        "adaflash": stats,
+    }
 
 
-def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, role: bool = False,
-          **extra) -> dict:
+def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, role: bool = False, **extra) -> dict:
     """One stream chunk; text None with finish None and no role = a choices-less chunk (usage)."""
     choices = []
     if text is not None or finish is not None or role:
@@ -326,8 +380,14 @@ def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None
             choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
         else:
             choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, **extra}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
 
 
 def sse(obj: dict | str) -> bytes:

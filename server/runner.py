@@ -86,11 +86,13 @@ def request_stats(st: RequestState, policy: str, k_blk: int, handle: Handle) -> 
         hist[min(a, k_blk - 1)] += 1
     admitted = st.admitted
     return {
-        "drafter_version": st.slot.version, "policy": policy, "tau": round(st.tau, 3) if acc else None,
-        "rounds": len(acc), "target_forwards": len(acc) + int(admitted),
+        "drafter_version": st.slot.version,
+        "policy": policy,
+        "tau": round(st.tau, 3) if acc else None,
+        "rounds": len(acc),
+        "target_forwards": len(acc) + int(admitted),
         "verify_tokens": sum(r.verify_len for r in st.rounds),
-        "accepted": {"mean": round(sum(acc) / len(acc), 3) if acc else None, "max": max(acc, default=None),
-                     "histogram": hist},
+        "accepted": {"mean": round(sum(acc) / len(acc), 3) if acc else None, "max": max(acc, default=None), "histogram": hist},
         "ttft_s": round(st.t_first - handle.t_submit, 4) if admitted else None,
         "latency_s": round(time.perf_counter() - handle.t_submit, 4),
     }
@@ -99,8 +101,7 @@ def request_stats(st: RequestState, policy: str, k_blk: int, handle: Handle) -> 
 class EngineRunner:
     WINDOW_S = 10.0  # window of the recent rates (tokens/s, tau, verify tokens per step)
 
-    def __init__(self, engine: Engine, writer: ShardWriter | None, max_queued: int,
-                 on_finish: Callable[[str, dict], None] | None = None):
+    def __init__(self, engine: Engine, writer: ShardWriter | None, max_queued: int, on_finish: Callable[[str, dict], None] | None = None):
         """on_finish(finish_reason, adaflash stats) is called on the engine thread for every finished request."""
         self.engine, self.writer, self.max_queued, self.on_finish = engine, writer, max_queued, on_finish
         self.counters = Counters()
@@ -157,8 +158,11 @@ class EngineRunner:
         span = min(self.WINDOW_S, max(now - self._t0, 1e-3))
         gen, rounds, spec, verify = (sum(r[i] for r in rows) for i in range(1, 5))
         steps = sum(1 for r in rows if r[2])
-        return {"tokens_per_s": gen / span, "tau": spec / rounds if rounds else None,
-                "verify_tokens_per_step": verify / steps if steps else None}
+        return {
+            "tokens_per_s": gen / span,
+            "tau": spec / rounds if rounds else None,
+            "verify_tokens_per_step": verify / steps if steps else None,
+        }
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -181,8 +185,7 @@ class EngineRunner:
             self._take_inbox(block=False)
         if self.writer is not None:
             name = self.writer.close()
-            log.info("trajectory writer closed (%d rows written%s)", self.counters.rows_written,
-                     f", last shard {name}" if name else "")
+            log.info("trajectory writer closed (%d rows written%s)", self.counters.rows_written, f", last shard {name}" if name else "")
 
     # ------------------------------------------------------------------ engine thread
 
@@ -260,8 +263,9 @@ class EngineRunner:
             self._finish(st)
         c.steps += 1
         c.verify_tokens = self.engine.stats["verify_tokens"]
-        self._recent.append((time.monotonic(), c.generated_tokens - before[0], c.rounds - before[1],
-                             c.spec_tokens - before[2], c.verify_tokens - before[3]))
+        self._recent.append(
+            (time.monotonic(), c.generated_tokens - before[0], c.rounds - before[1], c.spec_tokens - before[2], c.verify_tokens - before[3])
+        )
         while self._recent and self._recent[0][0] < time.monotonic() - self.WINDOW_S:
             self._recent.popleft()
 

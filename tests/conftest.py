@@ -17,8 +17,16 @@ from adaflash.target import TargetConfig, TargetModel
 def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.3) -> TargetModel:
     """A random Llama-style target; a large init std gives peaked, seed-dependent distributions."""
     torch.manual_seed(seed)
-    cfg = TargetConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
-                       num_kv_heads=2, head_dim=16, rope_theta=10000.0)
+    cfg = TargetConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+    )
     model = TargetModel(cfg, feature_layers=sorted({0, max(0, layers - 2)}))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=std)
@@ -54,8 +62,17 @@ def write_tiny_hf(out: Path, smollm2_dir: Path, **dims) -> Path:
     from safetensors.torch import save_file
 
     cfg = json.loads((smollm2_dir / "config.json").read_text())
-    cfg.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 16, **dims})
+    cfg.update(
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            **dims,
+        }
+    )
     cfg.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(cfg))
     model = TargetModel(TargetConfig.from_hf(cfg))
@@ -113,10 +130,25 @@ def mlflow_server(tmp_path_factory) -> str:
     url = f"http://127.0.0.1:{port}"
     log = root / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "adaflash.cli", "mlflow", "--port", str(port), "--workers", "1",
-                                 "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                                 "--artifacts-destination", str(root / "artifacts")],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "adaflash.cli",
+                "mlflow",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{root / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(root / "artifacts"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_ready(url, 180, proc)
         deadline = time.monotonic() + 10

@@ -9,26 +9,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import requests
-
-from adaflash.config import from_dict
 from adaflash.server.app import GracefulServer, create_app
 from adaflash.server.config import ServeConfig
+
+from adaflash.config import from_dict
 
 
 def serve_config(hf_dir: Path, drafter_dir: Path, buffer_dir: Path, **sections) -> ServeConfig:
     """A config for the tiny fixtures; `sections` override whole keys, e.g. engine={...}."""
-    data = {"model": {"name": "tiny", "target": str(hf_dir), "drafter": str(drafter_dir), "drafter_dtype": "float32"},
-            "engine": {"max_batch": 4, "token_budget": 256, "max_model_len": 512, "max_tokens_limit": 400},
-            "trajectories": {"buffer_dir": str(buffer_dir), "writer_id": "test-node", "max_age_s": 600},
-            "shutdown_grace_s": 5}
+    data = {
+        "model": {"name": "tiny", "target": str(hf_dir), "drafter": str(drafter_dir), "drafter_dtype": "float32"},
+        "engine": {"max_batch": 4, "token_budget": 256, "max_model_len": 512, "max_tokens_limit": 400},
+        "trajectories": {"buffer_dir": str(buffer_dir), "writer_id": "test-node", "max_age_s": 600},
+        "shutdown_grace_s": 5,
+    }
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return from_dict(ServeConfig, data)
 
 
 @contextmanager
-def running_server(cfg: ServeConfig, target=None, api_key: str | None = None, wait_ready: bool = True,
-                   ready_timeout: float = 60, **kw):
+def running_server(cfg: ServeConfig, target=None, api_key: str | None = None, wait_ready: bool = True, ready_timeout: float = 60, **kw):
     """-> (base url, ServerState, uvicorn server); stops the server (lifespan shutdown) on exit."""
     app = create_app(cfg, api_key, target=target, **kw)
     server = GracefulServer(app, "127.0.0.1", 0, cfg.shutdown_grace_s, "warning")

@@ -18,8 +18,20 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     metrics = json.loads((drafter / "length_head.json").read_text())["metrics"]
     assert metrics["rounds"] > 0 and metrics["n_val"] > 0
     out = tmp_path / "bench"
-    code = main(["bench", *common, "--methods", "ar,fixed,fixed2,ema,head,hf,hf-pld", "--concurrency", "1,3",
-                 "--token-budget", "64", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            *common,
+            "--methods",
+            "ar,fixed,fixed2,ema,head,hf,hf-pld",
+            "--concurrency",
+            "1,3",
+            "--token-budget",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     res = json.loads((out / "results.json").read_text())
     rows = res["rows"]
@@ -38,13 +50,31 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     # --min-requests: a cell runs max(min_requests, concurrency) prompts; with a draft vocabulary,
     # `-fullvocab` runs the same method drafting from the whole vocabulary, and both stay lossless
     import torch
-
     from adaflash.pipelines.draft_vocab import write
 
     write(drafter, torch.arange(0, 49152, 2), {"size": 24576})
     # `-lookup` adds prompt lookup in the engine (ar-lookup: lookup alone), output unchanged
-    assert main(["bench", *common, "--methods", "ar,fixed,fixed-fullvocab,fixed-lookup,ar-lookup", "--concurrency", "1,3",
-                 "--min-requests", "2", "--lookup-len", "3", "--lookup-min-ngram", "1", "--out", str(tmp_path / "b2")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                *common,
+                "--methods",
+                "ar,fixed,fixed-fullvocab,fixed-lookup,ar-lookup",
+                "--concurrency",
+                "1,3",
+                "--min-requests",
+                "2",
+                "--lookup-len",
+                "3",
+                "--lookup-min-ngram",
+                "1",
+                "--out",
+                str(tmp_path / "b2"),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((tmp_path / "b2" / "results.json").read_text())["rows"]
     assert {(r["concurrency"], r["n_requests"]) for r in rows} == {(1, 2), (3, 3)}
     assert len({r["committed_tokens"] for r in rows if r["concurrency"] == 3}) == 1 and len(rows) == 10
@@ -53,8 +83,25 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert main(["bench", *common, "--methods", "ar-lookup", "--lookup-min-ngram", "4"]) == 2
     write(drafter, None, None)
     # --repeats: every method runs N times per cell; the row keeps each run and the median of the ratios
-    assert main(["bench", *common, "--methods", "ar,fixed", "--concurrency", "2", "--min-requests", "2", "--repeats", "3",
-                 "--out", str(tmp_path / "b3")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                *common,
+                "--methods",
+                "ar,fixed",
+                "--concurrency",
+                "2",
+                "--min-requests",
+                "2",
+                "--repeats",
+                "3",
+                "--out",
+                str(tmp_path / "b3"),
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "b3" / "results.json").read_text())
     ar, fixed = sorted(res["rows"], key=lambda r: r["method"])
     assert res["meta"]["repeats"] == 3 and len(ar["tokens_per_s_runs"]) == len(fixed["tokens_per_s_runs"]) == 3

@@ -79,9 +79,7 @@ def test_schema_has_version_and_types():
 
 def test_round_trip_several_rounds(tmp_path):
     trajs = [make_traj(i, n_rounds=3) for i in range(3)]
-    trajs.append(
-        Trajectory("req-nan", "w0", "v3", [1], [], rounds=[Round(0, [5], [5], 1, 1, t_ns=9)])
-    )
+    trajs.append(Trajectory("req-nan", "w0", "v3", [1], [], rounds=[Round(0, [5], [5], 1, 1, t_ns=9)]))
     table = to_arrow(trajs)
     assert table.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True)
     assert from_arrow(table)[:3] == trajs[:3]
@@ -271,9 +269,11 @@ def test_foreign_schema_quarantined(tmp_path):
     pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "foreign-00000001.parquet")
     bad_version = to_arrow([make_traj(0)]).replace_schema_metadata({SCHEMA_VERSION_KEY: b"999"})
     pq.write_table(bad_version, tmp_path / "future-00000001.parquet")
-    renamed = to_arrow([make_traj(0)]).rename_columns(
-        [c if c != "domain" else "topic" for c in TRAJECTORY_SCHEMA.names]
-    ).replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
+    renamed = (
+        to_arrow([make_traj(0)])
+        .rename_columns([c if c != "domain" else "topic" for c in TRAJECTORY_SCHEMA.names])
+        .replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
+    )
     pq.write_table(renamed, tmp_path / "renamed-00000001.parquet")
     w = ShardWriter(tmp_path, "w0")
     w.append(make_traj(1))
@@ -333,7 +333,6 @@ def test_retention_delete_never_touches_pending(tmp_path):
     assert st["pending_shards"] == 2 and st["pending_rows"] == 2
     assert st["consumed_shards"] == 2 and st["consumed_present_shards"] == 0
     assert [b.name for b in ShardReader(tmp_path).poll()] == shard_files(tmp_path)
-
 
 
 def test_retention_of_named_shards_and_their_commit_tags_survive_a_restart(tmp_path):

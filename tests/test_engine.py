@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target
 
 from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
 from adaflash.generate import generate_ar, generate_dflash
 from adaflash.length_head import LengthHead, LengthHeadConfig
-from conftest import tiny_drafter, tiny_target
 
 
 def make_requests(n: int, seed: int, temperature: float = 0.0) -> list[Request]:
     g = torch.Generator().manual_seed(seed)
-    return [Request(f"r{i}", torch.randint(0, 64, (3 + (i * 5) % 11,), generator=g).tolist(), max_new_tokens=10 + 3 * i,
-                    temperature=temperature, seed=100 + i) for i in range(n)]
+    return [
+        Request(
+            f"r{i}",
+            torch.randint(0, 64, (3 + (i * 5) % 11,), generator=g).tolist(),
+            max_new_tokens=10 + 3 * i,
+            temperature=temperature,
+            seed=100 + i,
+        )
+        for i in range(n)
+    ]
 
 
 def head_policy(drafter) -> HeadPolicy:
@@ -27,8 +35,9 @@ def head_policy(drafter) -> HeadPolicy:
 def test_batched_greedy_equals_single_and_plain(policy_name):
     target = tiny_target(6)
     drafter = tiny_drafter(target, 6)
-    policy = {"fixed": FixedPolicy(), "fixed3": FixedPolicy(3), "ema": EMAPolicy(), "head": head_policy(drafter),
-              "ar": ARPolicy()}[policy_name]
+    policy = {"fixed": FixedPolicy(), "fixed3": FixedPolicy(3), "ema": EMAPolicy(), "head": head_policy(drafter), "ar": ARPolicy()}[
+        policy_name
+    ]
     reqs = make_requests(7, 1)
     engine = Engine(target, drafter, policy, eos_ids=[5], max_batch=3, token_budget=40)
     states = engine.run(reqs)
@@ -59,8 +68,12 @@ def test_policies_that_know_their_length_draft_only_that_much(monkeypatch):
 
     monkeypatch.setattr(drafter, "draft_many", spy)
     short_head = HeadPolicy(LengthHead(LengthHeadConfig(hidden_size=64, inner=16, block_size=3, min_len=1)))
-    for policy, want in [(FixedPolicy(3), {3}), (FixedPolicy(), {drafter.block_size}), (head_policy(drafter), {drafter.block_size}),
-                         (short_head, {3})]:
+    for policy, want in [
+        (FixedPolicy(3), {3}),
+        (FixedPolicy(), {drafter.block_size}),
+        (head_policy(drafter), {drafter.block_size}),
+        (short_head, {3}),
+    ]:
         seen.clear()
         Engine(target, drafter, policy, eos_ids=[5], max_batch=3).run(make_requests(4, 3))
         assert {n for n, _ in seen} == want and all(n == got for n, got in seen), policy.name
@@ -139,7 +152,6 @@ def test_swap_between_steps_keeps_running_requests_lossless():
     assert len(traj.rounds) == len(by_id["r2"].rounds) and all(rd.t_ns > 0 for rd in traj.rounds)
 
 
-
 def live(cls) -> int:
     """Objects of `cls` still reachable after a full collection."""
     import gc
@@ -199,8 +211,9 @@ def test_prompt_lookup_in_the_engine_is_lossless_and_replays_lookup_chain(policy
     drafter = tiny_drafter(target, 7)
     policy = {"fixed3": FixedPolicy(3), "ema": EMAPolicy(), "head": head_policy(drafter), "ar": ARPolicy()}[policy_name]
     reqs = make_requests(7, 4)
-    engine = Engine(target, None if policy_name == "ar" else drafter, policy, eos_ids=[5], max_batch=3,
-                    token_budget=200, lookup=4, lookup_min=1)
+    engine = Engine(
+        target, None if policy_name == "ar" else drafter, policy, eos_ids=[5], max_batch=3, token_budget=200, lookup=4, lookup_min=1
+    )
     states = engine.run(reqs)
     n_lookup = n_drafter = 0
     for r, s in zip(reqs, states):
@@ -250,4 +263,3 @@ def test_lookup_arguments_are_checked():
         Engine(target, None, ARPolicy(), eos_ids=[], lookup=-1)
     with pytest.raises(ValueError, match="lookup_min 1..3"):
         Engine(target, None, ARPolicy(), eos_ids=[], lookup=4, lookup_min=0)
-

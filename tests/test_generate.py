@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target
 
 from adaflash.generate import generate_ar, generate_dflash
-from conftest import tiny_drafter, tiny_target
 
 
 class OracleDrafter:
@@ -79,8 +79,7 @@ def test_greedy_tree_dflash_equals_plain_decoding(seed):
         assert sd.output_ids == ar.output_ids
         assert sd.target_forwards == sd.rounds + 1 and sd.committed == len(sd.output_ids) - 1
     chain = generate_dflash(target, OracleDrafter(prompt + ar.output_ids, 64, 0.4, seed, second=1.0), prompt, 40, eos)
-    tree = generate_dflash(target, OracleDrafter(prompt + ar.output_ids, 64, 0.4, seed, second=1.0), prompt, 40, eos,
-                           tree=16)
+    tree = generate_dflash(target, OracleDrafter(prompt + ar.output_ids, 64, 0.4, seed, second=1.0), prompt, 40, eos, tree=16)
     assert chain.output_ids == ar.output_ids and tree.output_ids == ar.output_ids
     if len(ar.output_ids) >= 20:
         assert tree.tau > chain.tau
@@ -134,6 +133,7 @@ def test_context_limit_is_checked():
 
 def _marginals(target, prompt: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact target distributions of the 2nd and 3rd generated tokens (temperature 1)."""
+
     def next_probs(seq):
         logits, _ = target(torch.tensor([seq]), target.new_cache(1), logits_last_only=True)
         return torch.softmax(logits[0, -1].double(), -1)

@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target
 
 from adaflash.engine import Engine, FixedPolicy, Request
 from adaflash.generate import generate_ar, generate_dflash
-from conftest import tiny_drafter, tiny_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -35,6 +35,7 @@ def test_compiled_opd_kernel_matches_torch_at_full_vocabulary(dtype):
     """The compiled (not interpreted) Triton OPD kernel against the PyTorch reference, at SmolLM2's
     49,152-token vocabulary: values and gradients."""
     from adaflash.kernels.opd import _kernels, fused_opd_terms
+
     from adaflash.losses import opd_row_terms
 
     if _kernels().INTERPRETED:

@@ -33,8 +33,7 @@ def test_mix_and_duration_parsing():
 
 def test_schedule_parsing_and_phase_lookup():
     phases = parse_schedule("gsm8k for 5m, then humaneval:1,gsm8k:1 for 30s; then humaneval")
-    assert phases == [Phase({"gsm8k": 1.0}, 300.0), Phase({"humaneval": 0.5, "gsm8k": 0.5}, 30.0),
-                      Phase({"humaneval": 1.0}, None)]
+    assert phases == [Phase({"gsm8k": 1.0}, 300.0), Phase({"humaneval": 0.5, "gsm8k": 0.5}, 30.0), Phase({"humaneval": 1.0}, None)]
     assert [phase_at(phases, t) for t in (0, 299.9, 300, 329.9, 330, 1e6)] == [0, 0, 1, 1, 2, 2]
     finite = parse_schedule("gsm8k for 10s then humaneval for 10s")
     assert phase_at(finite, 25) == 1  # past the end: the last phase stays in force
@@ -70,14 +69,23 @@ def _free_port() -> int:
 def server(tiny_hf_dir, tiny_drafter_dir, tmp_path_factory):
     """A real `adaflash serve` process on the tiny target, with a queue of 1 so bursts get 429."""
     root = tmp_path_factory.mktemp("serve")
-    cfg = {"port": _free_port(), "model": {"name": "tiny", "target": str(tiny_hf_dir), "drafter": str(tiny_drafter_dir),
-                                           "drafter_dtype": "float32", "policy": "fixed"},
-           "engine": {"max_batch": 2, "max_queued": 1, "token_budget": 256},
-           "trajectories": {"buffer_dir": str(root / "buffer")}}
+    cfg = {
+        "port": _free_port(),
+        "model": {
+            "name": "tiny",
+            "target": str(tiny_hf_dir),
+            "drafter": str(tiny_drafter_dir),
+            "drafter_dtype": "float32",
+            "policy": "fixed",
+        },
+        "engine": {"max_batch": 2, "max_queued": 1, "token_budget": 256},
+        "trajectories": {"buffer_dir": str(root / "buffer")},
+    }
     (root / "serve.yaml").write_text(yaml.safe_dump(cfg))
     log = open(root / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "adaflash.cli", "serve", "--config", str(root / "serve.yaml")],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaflash.cli", "serve", "--config", str(root / "serve.yaml")], stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{cfg['port']}"
     deadline = time.monotonic() + 120
     while True:
@@ -108,9 +116,32 @@ def prompts(tmp_path) -> Path:
 def test_schedule_run_against_real_server(server, prompts, tmp_path, capsys):
     """4 requests/s, a shift after 1 s: the first 4 are gsm8k, the rest humaneval; all answer with tau stats."""
     out = tmp_path / "results.jsonl"
-    code = main(["loadgen", "--url", server, "--prompts-file", str(prompts), "--rate", "4", "--concurrency", "4",
-                 "--schedule", "gsm8k for 1s, then humaneval", "--requests", "6", "--max-tokens", "8",
-                 "--max-retries", "30", "--out", str(out), "--json", "--report-every", "1"])
+    code = main(
+        [
+            "loadgen",
+            "--url",
+            server,
+            "--prompts-file",
+            str(prompts),
+            "--rate",
+            "4",
+            "--concurrency",
+            "4",
+            "--schedule",
+            "gsm8k for 1s, then humaneval",
+            "--requests",
+            "6",
+            "--max-tokens",
+            "8",
+            "--max-retries",
+            "30",
+            "--out",
+            str(out),
+            "--json",
+            "--report-every",
+            "1",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     summary = json.loads(captured.out)
@@ -126,9 +157,28 @@ def test_schedule_run_against_real_server(server, prompts, tmp_path, capsys):
 
 def test_retries_on_429_honouring_retry_after(server, prompts, capsys):
     """8 requests at once into a server that queues 1 and batches 2: 429s are retried until all succeed."""
-    code = main(["loadgen", "--url", server, "--prompts-file", str(prompts), "--rate", "0", "--concurrency", "8",
-                 "--requests", "8", "--domains", "gsm8k:1,humaneval:1", "--max-tokens", "16", "--max-retries", "30",
-                 "--json"])
+    code = main(
+        [
+            "loadgen",
+            "--url",
+            server,
+            "--prompts-file",
+            str(prompts),
+            "--rate",
+            "0",
+            "--concurrency",
+            "8",
+            "--requests",
+            "8",
+            "--domains",
+            "gsm8k:1,humaneval:1",
+            "--max-tokens",
+            "16",
+            "--max-retries",
+            "30",
+            "--json",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     summary = json.loads(captured.out)

@@ -96,8 +96,7 @@ def test_position_weights():
 
 @pytest.mark.parametrize(
     "temperature,clip,clip_mode",
-    [(1.0, 1.0, "vocab"), (1.0, 0.05, "vocab"), (0.5, 0.05, "vocab"), (2.0, None, "vocab"),
-     (1.0, 4.0, "token"), (2.0, 1.5, "token")],
+    [(1.0, 1.0, "vocab"), (1.0, 0.05, "vocab"), (0.5, 0.05, "vocab"), (2.0, None, "vocab"), (1.0, 4.0, "token"), (2.0, 1.5, "token")],
 )
 def test_opd_loss_matches_reference(temperature, clip, clip_mode):
     draft, target, valid = make_inputs()
@@ -107,8 +106,7 @@ def test_opd_loss_matches_reference(temperature, clip, clip_mode):
         x = terms[valid] if clip_mode == "vocab" else terms.sum(-1)[valid]
         assert (x > clip).any() and (x < clip).any()
     target.requires_grad_()  # must not receive a gradient
-    out = opd_loss(draft, target, valid, alpha=0.6, temperature=temperature, clip=clip,
-                   clip_mode=clip_mode, backend="torch")
+    out = opd_loss(draft, target, valid, alpha=0.6, temperature=temperature, clip=clip, clip_mode=clip_mode, backend="torch")
     d64 = draft.detach().double().requires_grad_()
     ref_loss, ref_hard, ref_rkl = ref_opd(d64, target.detach().double(), valid, 0.6, temperature, clip, clip_mode)
 
@@ -157,9 +155,9 @@ def test_clipping_changes_result_and_modes_differ():
     assert abs(vocab["rkl"].item() - token["rkl"].item()) > 0.1
 
     # gradients: token mode zeroes the whole row; vocab mode keeps the unclipped terms' gradient
-    g_none, = torch.autograd.grad(none["loss"], draft)
-    g_vocab, = torch.autograd.grad(vocab["loss"], draft)
-    g_token, = torch.autograd.grad(token["loss"], draft)
+    (g_none,) = torch.autograd.grad(none["loss"], draft)
+    (g_vocab,) = torch.autograd.grad(vocab["loss"], draft)
+    (g_token,) = torch.autograd.grad(token["loss"], draft)
     assert torch.all(g_token == 0)
     assert g_vocab.abs().sum() > 0
     assert not torch.allclose(g_vocab, g_none)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
-from adaflash.config import ConfigError, from_dict, load_config
 from adaflash.pipelines.loss_replay import Replay, ReplayConfig
 from adaflash.pipelines.online_experiment import Experiment, ExperimentConfig, fingerprint
 from adaflash.pipelines.swap_bench import SwapConfig, run_swap_bench
+
+from adaflash.config import ConfigError, from_dict, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,10 +59,10 @@ def test_head_error_r2_is_the_share_of_label_variance_explained():
 
 def test_probe_scores_the_starting_head_on_the_same_blocks(tiny_hf_dir, tiny_drafter_dir):
     import torch
+    from adaflash.pipelines.online_experiment import ProbePolicy, Prompt, ServeSection, Slot, serve
 
     from adaflash.drafter import load_drafter
     from adaflash.length_head import LengthHead, LengthHeadConfig
-    from adaflash.pipelines.online_experiment import ProbePolicy, Prompt, ServeSection, Slot, serve
     from adaflash.target import load_target
 
     target = load_target(str(tiny_hf_dir), "float32")
@@ -99,8 +99,12 @@ def test_committed_configs_load_and_bad_trainer_keys_are_refused():
 
 
 def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, tiny_drafter_dir, prompt_sets, mlflow_server):
-    paths = {"PATH-TO-TINY-TARGET": tiny_hf_dir, "PATH-TO-TINY-DRAFTER": tiny_drafter_dir,
-             "PATH-TO-PROMPT-SETS": prompt_sets, "PATH-TO-MLFLOW": mlflow_server}
+    paths = {
+        "PATH-TO-TINY-TARGET": tiny_hf_dir,
+        "PATH-TO-TINY-DRAFTER": tiny_drafter_dir,
+        "PATH-TO-PROMPT-SETS": prompt_sets,
+        "PATH-TO-MLFLOW": mlflow_server,
+    }
     cfg = tiny_config("experiment_domain_shift_tiny.yaml", tmp_path, paths, ExperimentConfig)
     out = tmp_path / "out"
     lines = []
@@ -151,14 +155,13 @@ def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, ti
     assert again["opd", 3]["drafter_version"] == "3" and again["opd", 3]["minutes"] > again["opd", 2]["minutes"]
 
 
-def test_loss_replay_compares_losses_over_seeds_and_leaves_the_buffer_as_it_was(tmp_path, tiny_hf_dir, tiny_drafter_dir,
-                                                                                prompt_sets):
+def test_loss_replay_compares_losses_over_seeds_and_leaves_the_buffer_as_it_was(tmp_path, tiny_hf_dir, tiny_drafter_dir, prompt_sets):
     import torch
+    from adaflash.pipelines.prompts import read_prompts
 
     from adaflash.buffer import ShardWriter
     from adaflash.drafter import load_drafter
     from adaflash.engine import Engine, FixedPolicy, Request
-    from adaflash.pipelines.prompts import read_prompts
     from adaflash.target import load_target
 
     t = load_target(str(tiny_hf_dir), "float32")
@@ -173,8 +176,12 @@ def test_loss_replay_compares_losses_over_seeds_and_leaves_the_buffer_as_it_was(
         writer.close()
     (buf / "torn.parquet").write_bytes(b"PAR1 cut short")
     before = {p.name: p.stat().st_mtime_ns for p in buf.iterdir()}
-    paths = {"PATH-TO-TINY-TARGET": tiny_hf_dir, "PATH-TO-TINY-DRAFTER": tiny_drafter_dir,
-             "PATH-TO-PROMPT-SETS": prompt_sets, "PATH-TO-BUFFER": buf}
+    paths = {
+        "PATH-TO-TINY-TARGET": tiny_hf_dir,
+        "PATH-TO-TINY-DRAFTER": tiny_drafter_dir,
+        "PATH-TO-PROMPT-SETS": prompt_sets,
+        "PATH-TO-BUFFER": buf,
+    }
     cfg = tiny_config("experiment_replay_tiny.yaml", tmp_path, paths, ReplayConfig)
     out, lines = tmp_path / "out", []
     res = Replay(cfg, out, log=lines.append).run()
@@ -204,8 +211,12 @@ def test_loss_replay_compares_losses_over_seeds_and_leaves_the_buffer_as_it_was(
 
 
 def test_swap_under_load_fails_no_request(tmp_path, tiny_hf_dir, tiny_drafter_dir, prompt_sets, mlflow_server):
-    paths = {"PATH-TO-TINY-TARGET": tiny_hf_dir, "PATH-TO-TINY-DRAFTER": tiny_drafter_dir,
-             "PATH-TO-PROMPT-SETS": prompt_sets, "PATH-TO-MLFLOW": mlflow_server}
+    paths = {
+        "PATH-TO-TINY-TARGET": tiny_hf_dir,
+        "PATH-TO-TINY-DRAFTER": tiny_drafter_dir,
+        "PATH-TO-PROMPT-SETS": prompt_sets,
+        "PATH-TO-MLFLOW": mlflow_server,
+    }
     cfg = tiny_config("experiment_swap_tiny.yaml", tmp_path, paths, SwapConfig)
     res = run_swap_bench(cfg, tmp_path / "swap", log=lambda _: None)
     assert res["failed"] == 0, res["errors"]

@@ -32,6 +32,7 @@ finally:
         os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
 
 from adaflash.kernels.opd import fused_opd_terms, opd_terms  # noqa: E402
+
 from adaflash.losses import opd_loss, opd_row_terms  # noqa: E402
 
 

@@ -12,24 +12,24 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
+from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, block_labels, run_stages
 
 from adaflash.config import ConfigError, from_dict, load_config, to_dict
-from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, block_labels, run_stages
 
 
 def tiny_config(tmp_path, source: str, max_steps: int) -> PretrainConfig:
-    return from_dict(PretrainConfig, {
-        "run_dir": str(tmp_path / "run"),
-        "drafter_out": str(tmp_path / "drafter"),
-        "target": {"source": source},
-        "regen": {"domains": ["gsm8k", "code"], "batch_size": 3, "max_new_tokens": 12, "dtype": "float32",
-                  "limit_per_domain": 3},
-        "drafter": {"num_layers": 1, "block_size": 4},
-        "train": {"seqs_per_step": 2, "anchors_per_seq": 3, "max_steps": max_steps, "save_every": 2,
-                  "autocast_bf16": False},
-        "eval": {"domains": ["gsm8k"], "per_domain": 1, "max_new_tokens": 8, "verify_lens": [4, 2],
-                 "trees": [3], "lookup": [0, 2]},
-    })
+    return from_dict(
+        PretrainConfig,
+        {
+            "run_dir": str(tmp_path / "run"),
+            "drafter_out": str(tmp_path / "drafter"),
+            "target": {"source": source},
+            "regen": {"domains": ["gsm8k", "code"], "batch_size": 3, "max_new_tokens": 12, "dtype": "float32", "limit_per_domain": 3},
+            "drafter": {"num_layers": 1, "block_size": 4},
+            "train": {"seqs_per_step": 2, "anchors_per_seq": 3, "max_steps": max_steps, "save_every": 2, "autocast_bf16": False},
+            "eval": {"domains": ["gsm8k"], "per_domain": 1, "max_new_tokens": 8, "verify_lens": [4, 2], "trees": [3], "lookup": [0, 2]},
+        },
+    )
 
 
 def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
@@ -47,7 +47,11 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
         AnswerSet(tmp_path / "run" / "answers", ["aime"])
 
     code_only = tiny_config(tmp_path, str(tiny_hf_dir), max_steps=1)  # reuses the answers, fresh run_dir
-    code_only.run_dir, code_only.answers_dir, code_only.train.domains = str(tmp_path / "run-code"), str(tmp_path / "run" / "answers"), ["code"]
+    code_only.run_dir, code_only.answers_dir, code_only.train.domains = (
+        str(tmp_path / "run-code"),
+        str(tmp_path / "run" / "answers"),
+        ["code"],
+    )
     run_stages(code_only, ["train"])
     assert (tmp_path / "run-code" / "checkpoints" / "latest").exists()
 
@@ -75,6 +79,7 @@ def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path,
     """The GPU recipe (configs/pretrain_smollm2_gpu.yaml) on the CPU: greedy + sampled answers stored
     as token ids only, training recomputes the target features each step."""
     from adaflash.pipelines.pretrain import make_batch, target_features
+
     from adaflash.target import load_target
 
     stored = tiny_config(tmp_path, str(tiny_hf_dir), max_steps=1)
@@ -156,8 +161,9 @@ def test_shipped_config_is_valid(name):
 
 
 def test_init_from_target_copies_last_layers(tiny_hf_dir):
-    from adaflash.drafter import Drafter, DrafterConfig
     from adaflash.pipelines.pretrain import init_from_target
+
+    from adaflash.drafter import Drafter, DrafterConfig
     from adaflash.target import load_target
 
     t = load_target(str(tiny_hf_dir), "float32")
@@ -197,8 +203,21 @@ def test_two_ranks_over_gloo_run_the_train_stage(tmp_path, tiny_hf_dir):
     path = tmp_path / "pretrain.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "adaflash.cli", "pretrain", "--config", str(path), "--stage", "train"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "adaflash.cli",
+        "pretrain",
+        "--config",
+        str(path),
+        "--stage",
+        "train",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]

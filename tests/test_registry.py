@@ -14,6 +14,7 @@ import uuid
 import pytest
 import requests
 import torch
+from conftest import free_port
 from safetensors.torch import load_file, save_file
 
 from adaflash.cli import main as cli_main
@@ -22,7 +23,6 @@ from adaflash.engine import Engine, FixedPolicy, Request
 from adaflash.length_head import LengthHead, LengthHeadConfig, save_length_head
 from adaflash.registry import HotSwapper, Registry, RegistryUnavailable, bootstrap
 from adaflash.target import load_target
-from conftest import free_port
 
 _ids = itertools.count()
 
@@ -40,8 +40,9 @@ def drafter_variant(target, src, out, seed=1, edit=None, config_edit=None):
     """A drafter directory for the tiny target: another seed, optionally with edited weights / config."""
     torch.manual_seed(seed)
     cfg = json.loads((src / "config.json").read_text())
-    d = Drafter(DrafterConfig.for_target(target.model, target.identity, num_layers=cfg["num_layers"],
-                                         block_size=cfg["block_size"]), target.model)
+    d = Drafter(
+        DrafterConfig.for_target(target.model, target.identity, num_layers=cfg["num_layers"], block_size=cfg["block_size"]), target.model
+    )
     d.save(out, dtype=torch.float32)
     if edit is not None:
         state = load_file(str(out / "model.safetensors"))
@@ -127,14 +128,28 @@ def test_hotswap_refuses_bad_versions_and_rolls_back(mlflow_server, target, tiny
     reg = registry(mlflow_server)
     assert bootstrap(reg, tiny_drafter_dir) == "1"
     v2 = reg.register(drafter_variant(target, tiny_drafter_dir, tmp_path / "v2"))
-    nan = reg.register(drafter_variant(target, tiny_drafter_dir, tmp_path / "nan",
-                                       edit=lambda s: s["fc.weight"].__setitem__((0, 0), float("nan"))))
-    shape = reg.register(drafter_variant(target, tiny_drafter_dir, tmp_path / "shape",
-                                         edit=lambda s: s.__setitem__("fc.weight", s["fc.weight"][:-1].contiguous())))
-    other = reg.register(drafter_variant(target, tiny_drafter_dir, tmp_path / "other",
-                                         config_edit=lambda c: c["target"].update(fingerprint="0123456789abcdef")))
-    engine = Engine(target.model, load_drafter(tiny_drafter_dir, target.model, target.identity), FixedPolicy(),
-                    target.eos_ids, max_batch=4, token_budget=256, version="1")
+    nan = reg.register(
+        drafter_variant(target, tiny_drafter_dir, tmp_path / "nan", edit=lambda s: s["fc.weight"].__setitem__((0, 0), float("nan")))
+    )
+    shape = reg.register(
+        drafter_variant(
+            target, tiny_drafter_dir, tmp_path / "shape", edit=lambda s: s.__setitem__("fc.weight", s["fc.weight"][:-1].contiguous())
+        )
+    )
+    other = reg.register(
+        drafter_variant(
+            target, tiny_drafter_dir, tmp_path / "other", config_edit=lambda c: c["target"].update(fingerprint="0123456789abcdef")
+        )
+    )
+    engine = Engine(
+        target.model,
+        load_drafter(tiny_drafter_dir, target.model, target.identity),
+        FixedPolicy(),
+        target.eos_ids,
+        max_batch=4,
+        token_budget=256,
+        version="1",
+    )
     prompt = target.encode_chat("Hello there")
     events, done = [], []
     interval = 0.5
@@ -163,8 +178,11 @@ def test_hotswap_refuses_bad_versions_and_rolls_back(mlflow_server, target, tiny
         assert sum("refused version" in r.message for r in caplog.records) == 3
 
         # rollback the way the UI does it: MLflow's REST alias endpoint
-        r = requests.post(f"{mlflow_server}/api/2.0/mlflow/registered-models/alias",
-                          json={"name": reg.model_name, "alias": "champion", "version": "1"}, timeout=10)
+        r = requests.post(
+            f"{mlflow_server}/api/2.0/mlflow/registered-models/alias",
+            json={"name": reg.model_name, "alias": "champion", "version": "1"},
+            timeout=10,
+        )
         r.raise_for_status()
         t0 = time.monotonic()
         drive(engine, prompt, lambda: swapper.version == "1", 10, done)
@@ -195,8 +213,15 @@ def test_registry_down_retries_then_unavailable_while_engine_serves(target, tiny
         retries = [r.message for r in caplog.records if "retry" in r.message]
         assert len(retries) == 2 and "retry 2/2" in retries[-1] and "ConnectionRefusedError" in retries[0]
 
-        engine = Engine(target.model, load_drafter(tiny_drafter_dir, target.model, target.identity), FixedPolicy(),
-                        target.eos_ids, max_batch=4, token_budget=256, version="1")
+        engine = Engine(
+            target.model,
+            load_drafter(tiny_drafter_dir, target.model, target.identity),
+            FixedPolicy(),
+            target.eos_ids,
+            max_batch=4,
+            token_budget=256,
+            version="1",
+        )
         swapper = HotSwapper(reg, engine, target, tmp_path / "cache", interval_s=0.05).start()
         done = []
         try:

@@ -16,10 +16,10 @@ import time
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
 from adaflash.target import load_target
-from serve_util import running_server, serve_config
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -35,8 +35,7 @@ def target(tiny_hf_dir):
 @pytest.fixture(scope="module")
 def server(target, tiny_hf_dir, tiny_drafter_dir, tmp_path_factory):
     """One request decodes at a time and one may wait: the third concurrent one is refused."""
-    cfg = serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path_factory.mktemp("buffer"),
-                       engine={"max_batch": 1, "max_queued": 1})
+    cfg = serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path_factory.mktemp("buffer"), engine={"max_batch": 1, "max_queued": 1})
     with running_server(cfg, target=target, api_key=KEY) as (url, state, _):
         yield url, state
 
@@ -134,14 +133,29 @@ def test_metrics_parse_and_count(server):
     assert post(url, "/v1/chat/completions", CHAT).status_code == 200
     text = requests.get(f"{url}/metrics", timeout=10).text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    value = lambda name, **labels: next(s.value for s in fams[name].samples  # noqa: E731
-                                        if s.name in (name, name + "_total", name + "_info")
-                                        and all(s.labels.get(k) == v for k, v in labels.items()))
-    for name in ("adaflash_generated_tokens", "adaflash_requests", "adaflash_verify_tokens", "adaflash_trajectory_rows",
-                 "adaflash_drafter_swaps", "adaflash_registry_refused_versions", "adaflash_registry_poll_errors"):
+    value = lambda name, **labels: next(  # noqa: E731
+        s.value
+        for s in fams[name].samples
+        if s.name in (name, name + "_total", name + "_info") and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+    for name in (
+        "adaflash_generated_tokens",
+        "adaflash_requests",
+        "adaflash_verify_tokens",
+        "adaflash_trajectory_rows",
+        "adaflash_drafter_swaps",
+        "adaflash_registry_refused_versions",
+        "adaflash_registry_poll_errors",
+    ):
         assert fams[name].type == "counter", name
-    for name in ("adaflash_tokens_per_second", "adaflash_tau", "adaflash_verify_tokens_per_step", "adaflash_queue_depth",
-                 "adaflash_running_requests", "adaflash_ready"):
+    for name in (
+        "adaflash_tokens_per_second",
+        "adaflash_tau",
+        "adaflash_verify_tokens_per_step",
+        "adaflash_queue_depth",
+        "adaflash_running_requests",
+        "adaflash_ready",
+    ):
         assert fams[name].type == "gauge", name
     assert value("adaflash_generated_tokens") >= 8 and value("adaflash_requests", finish_reason="length") >= 1
     assert value("adaflash_trajectory_rows") >= 1 and value("adaflash_ready") == 1
@@ -157,16 +171,21 @@ def test_registry_down_keeps_serving(target, tiny_hf_dir, tiny_drafter_dir, tmp_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens here once the socket is closed
-    cfg = serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, registry={
-        "tracking_uri": dead, "cache_dir": str(tmp_path / "cache"), "interval_s": 0.2, "retries": 0})
+    cfg = serve_config(
+        tiny_hf_dir,
+        tiny_drafter_dir,
+        tmp_path,
+        registry={"tracking_uri": dead, "cache_dir": str(tmp_path / "cache"), "interval_s": 0.2, "retries": 0},
+    )
     with running_server(cfg, target=target) as (url, state, _):
         assert state.swapper is not None
         wait_for(lambda: status(url)["registry"]["poll_errors"] >= 1, "a failed registry poll")
         r = post(url, "/v1/completions", COMP)
         assert r.status_code == 200 and r.json()["adaflash"]["drafter_version"] == "0"
         text = requests.get(f"{url}/metrics", timeout=10).text
-        errors = next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                      if s.name == "adaflash_registry_poll_errors_total")
+        errors = next(
+            s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "adaflash_registry_poll_errors_total"
+        )
         assert errors >= 1 and status(url)["registry"]["swaps"] == 0
     assert not state.swapper._thread.is_alive()  # stopped at shutdown
 
@@ -175,14 +194,16 @@ def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, t
     """auto: the length head when the drafter dir has one, else fixed; explicit policies as named."""
     import shutil
 
-    from adaflash.length_head import LengthHead, LengthHeadConfig, save_length_head
     from adaflash.server.app import build_engine
+
+    from adaflash.length_head import LengthHead, LengthHeadConfig, save_length_head
 
     with_head = tmp_path / "drafter-with-head"
     shutil.copytree(tiny_drafter_dir, with_head)
     save_length_head(LengthHead(LengthHeadConfig(hidden_size=64, inner=8, block_size=4, min_len=1)), with_head)
     built = lambda drafter, policy: build_engine(  # noqa: E731
-        serve_config(tiny_hf_dir, drafter, tmp_path, model={"policy": policy}), target)
+        serve_config(tiny_hf_dir, drafter, tmp_path, model={"policy": policy}), target
+    )
     assert built(tiny_drafter_dir, "auto").policy.name == "fixed"
     engine = built(with_head, "auto")
     assert engine.policy.name == "head" and engine.slot.head is not None
@@ -238,20 +259,25 @@ def test_sigterm_drains_then_flushes(tiny_hf_dir, tiny_drafter_dir, tmp_path):
     buffer_dir = tmp_path / "buffer"
     # grace 2 s: the tiny model's greedy "long" answer ends with EOS well before 3000 tokens, and one fast
     # CI run finished it inside a 5 s grace (nothing left to cancel); 40 "short" tokens need a fraction of 2 s
-    cfg = {"port": port, "shutdown_grace_s": 2, "log_level": "warning",
-           "model": {"name": "tiny", "target": str(tiny_hf_dir), "drafter": str(tiny_drafter_dir),
-                     "drafter_dtype": "float32"},
-           "engine": {"max_model_len": 4096, "max_tokens_limit": 3000},
-           "trajectories": {"buffer_dir": str(buffer_dir), "writer_id": "sigterm-node", "max_age_s": 600}}
+    cfg = {
+        "port": port,
+        "shutdown_grace_s": 2,
+        "log_level": "warning",
+        "model": {"name": "tiny", "target": str(tiny_hf_dir), "drafter": str(tiny_drafter_dir), "drafter_dtype": "float32"},
+        "engine": {"max_model_len": 4096, "max_tokens_limit": 3000},
+        "trajectories": {"buffer_dir": str(buffer_dir), "writer_id": "sigterm-node", "max_age_s": 600},
+    }
     path = tmp_path / "serve.yaml"
     path.write_text("# adaflash serve --config serve.yaml\n" + json.dumps(cfg))
     env = {**os.environ, "ADAFLASH_API_KEY": KEY, "OMP_NUM_THREADS": "1"}  # a tiny model needs no thread pool
-    proc = subprocess.Popen([sys.executable, "-m", "adaflash.cli", "serve", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaflash.cli", "serve", "--config", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
     url = f"http://127.0.0.1:{port}"
     streams: dict[str, list] = {"short": [], "long": []}
     ended: dict[str, float] = {}
     try:
+
         def ready():
             try:
                 return requests.get(f"{url}/ready", timeout=2).status_code == 200

@@ -14,18 +14,25 @@ import pytest
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
 from adaflash.target import load_target
-from serve_util import running_server, serve_config
 
 PATHS = {"/v1/chat/completions": True, "/v1/completions": False}  # path -> chat
-FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=120,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=120,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=20)  # lone surrogates ("\ud800") included
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | ANY_TEXT,
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=12)  # any JSON value, NaN and infinities included
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | ANY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)  # any JSON value, NaN and infinities included
 
 
 def from_schema(s: dict) -> st.SearchStrategy:
@@ -38,24 +45,28 @@ def from_schema(s: dict) -> st.SearchStrategy:
         return st.sampled_from(s["enum"]) if "enum" in s else st.just(s["const"])
     if "type" not in s:
         return JSON
-    kinds = {"null": lambda: st.none(), "boolean": st.booleans, "string": lambda: st.text(min_size=s.get("minLength", 0)),
-             "integer": lambda: st.integers(s.get("minimum"), s.get("maximum")),
-             "number": lambda: st.floats(s.get("minimum"), s.get("maximum"), allow_nan=False),
-             "array": lambda: st.lists(from_schema(s.get("items", {})), min_size=s.get("minItems", 0),
-                                       max_size=s.get("maxItems", 5)),
-             "object": lambda: _object(s)}
+    kinds = {
+        "null": lambda: st.none(),
+        "boolean": st.booleans,
+        "string": lambda: st.text(min_size=s.get("minLength", 0)),
+        "integer": lambda: st.integers(s.get("minimum"), s.get("maximum")),
+        "number": lambda: st.floats(s.get("minimum"), s.get("maximum"), allow_nan=False),
+        "array": lambda: st.lists(from_schema(s.get("items", {})), min_size=s.get("minItems", 0), max_size=s.get("maxItems", 5)),
+        "object": lambda: _object(s),
+    }
     return st.one_of([kinds[t]() for t in (s["type"] if isinstance(s["type"], list) else [s["type"]])])
 
 
 def _object(s: dict) -> st.SearchStrategy:
     props, required = s.get("properties", {}), set(s.get("required", []))
-    fixed = st.fixed_dictionaries({k: from_schema(v) for k, v in props.items() if k in required},
-                                  optional={k: from_schema(v) for k, v in props.items() if k not in required})
+    fixed = st.fixed_dictionaries(
+        {k: from_schema(v) for k, v in props.items() if k in required},
+        optional={k: from_schema(v) for k, v in props.items() if k not in required},
+    )
     extra = s.get("additionalProperties", True)
     if extra is False:
         return fixed
-    more = st.dictionaries(st.text(max_size=8).filter(lambda k: k not in props), JSON if extra is True else from_schema(extra),
-                           max_size=3)
+    more = st.dictionaries(st.text(max_size=8).filter(lambda k: k not in props), JSON if extra is True else from_schema(extra), max_size=3)
     return st.builds(lambda a, b: {**b, **a}, fixed, more)
 
 
@@ -70,8 +81,7 @@ class Served:
     def post(self, path: str, data, headers=None, **kw) -> requests.Response:
         if not isinstance(data, (bytes, str)) and not callable(getattr(data, "__next__", None)):
             data = json.dumps(data)
-        return requests.post(self.url + path, data=data, timeout=30,
-                             headers={"Content-Type": "application/json", **(headers or {})}, **kw)
+        return requests.post(self.url + path, data=data, timeout=30, headers={"Content-Type": "application/json", **(headers or {})}, **kw)
 
     def check(self, r: requests.Response, chat: bool, stream: bool) -> None:
         """No 5xx; an error in OpenAI's shape; a success complete (the stream up to [DONE]) and remembered."""
@@ -103,8 +113,10 @@ class Served:
             runner = self.state.runner
             if runner.in_flight == 0 and runner.engine.idle and self.completed <= self.rows:
                 return
-            assert time.monotonic() < deadline, (f"in flight {runner.in_flight}, running {len(runner.engine.running)}, "
-                                                 f"rows missing for {sorted(self.completed - self.rows)[:5]}")
+            assert time.monotonic() < deadline, (
+                f"in flight {runner.in_flight}, running {len(runner.engine.running)}, "
+                f"rows missing for {sorted(self.completed - self.rows)[:5]}"
+            )
             time.sleep(0.05)
 
 
@@ -112,8 +124,13 @@ class Served:
 def served(tiny_hf_dir, tiny_drafter_dir, tmp_path_factory):
     """Generation kept short (max_tokens <= 6, 4 when absent); one row per shard so rows land at once."""
     buffer = tmp_path_factory.mktemp("fuzz") / "buffer"
-    cfg = serve_config(tiny_hf_dir, tiny_drafter_dir, buffer, trajectories={"rows_per_shard": 1},
-                       engine={"max_batch": 4, "max_queued": 64, "default_max_tokens": 4, "max_tokens_limit": 6})
+    cfg = serve_config(
+        tiny_hf_dir,
+        tiny_drafter_dir,
+        buffer,
+        trajectories={"rows_per_shard": 1},
+        engine={"max_batch": 4, "max_queued": 64, "default_max_tokens": 4, "max_tokens_limit": 6},
+    )
     with running_server(cfg, target=load_target(str(tiny_hf_dir), "float32")) as (url, state, server):
         s = Served(url, state, buffer)
         s.app = server.config.app
@@ -179,8 +196,11 @@ def test_every_route_with_any_query_or_method(served):
     doc = served.app.openapi()["paths"]
 
     @FUZZ
-    @given(path=st.sampled_from(sorted(doc)), query=st.dictionaries(st.text(max_size=8), st.text(max_size=16), max_size=3),
-           method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
+    @given(
+        path=st.sampled_from(sorted(doc)),
+        query=st.dictionaries(st.text(max_size=8), st.text(max_size=16), max_size=3),
+        method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
+    )
     def run(path, query, method):
         r = requests.request(method, served.url + path, params=query, timeout=30, data=b"{}")
         assert r.status_code < 500, (method, path, r.text[:300])
@@ -198,22 +218,31 @@ def test_truncated_huge_and_mistyped_bodies(served):
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", (cut, r.text)
     served.check(served.post(path, raw), True, False)
     comp = "/v1/completions"
-    bad = [(path, b"[" * 100_000),  # nesting past the recursion limit
-           (path, b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}"),  # an integer past Python's 4300 digits
-           (comp, b'{"model": "tiny", "prompt": "a\\ud800"}'),  # lone surrogates: the tokenizer refuses them,
-           (path, json.dumps({**good, "metadata": {"domain": "\udfff"}}).encode()),  # Parquet too (a lost row)
-           (path, b"\xff\xfe{}"), (path, json.dumps({**good, "max_tokens": float("nan")}).encode())]
-    huge = [(path, json.dumps({**good, "messages": [{"role": "user", "content": "word " * 2_000_000}]}).encode()),  # 10 MB
-            (path, json.dumps({**good, "messages": [{"role": "user", "content": "x"}] * 100_000}).encode()),
-            (comp, json.dumps({"model": "tiny", "prompt": list(range(200_000))}).encode())]
+    bad = [
+        (path, b"[" * 100_000),  # nesting past the recursion limit
+        (path, b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}"),  # an integer past Python's 4300 digits
+        (comp, b'{"model": "tiny", "prompt": "a\\ud800"}'),  # lone surrogates: the tokenizer refuses them,
+        (path, json.dumps({**good, "metadata": {"domain": "\udfff"}}).encode()),  # Parquet too (a lost row)
+        (path, b"\xff\xfe{}"),
+        (path, json.dumps({**good, "max_tokens": float("nan")}).encode()),
+    ]
+    huge = [
+        (path, json.dumps({**good, "messages": [{"role": "user", "content": "word " * 2_000_000}]}).encode()),  # 10 MB
+        (path, json.dumps({**good, "messages": [{"role": "user", "content": "x"}] * 100_000}).encode()),
+        (comp, json.dumps({"model": "tiny", "prompt": list(range(200_000))}).encode()),
+    ]
     for where, body in bad + huge:
         t0 = time.monotonic()
         r = served.post(where, body)
         assert r.status_code == (413 if (where, body) in huge else 400) and r.json()["error"]["message"], r.text[:300]
         assert time.monotonic() - t0 < 5, f"{len(body)} bytes took {time.monotonic() - t0:.0f} s"  # not tokenized
-    for ctype, body in [("text/plain", raw), ("application/x-www-form-urlencoded", b"model=tiny&max_tokens=3"),
-                        ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n--x--"),
-                        ("application/json; charset=latin-1", raw), ("", raw)]:
+    for ctype, body in [
+        ("text/plain", raw),
+        ("application/x-www-form-urlencoded", b"model=tiny&max_tokens=3"),
+        ("multipart/form-data; boundary=x", b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\n1\r\n--x--'),
+        ("application/json; charset=latin-1", raw),
+        ("", raw),
+    ]:
         r = served.post(path, body, headers={"Content-Type": ctype})
         served.check(r, True, False)  # the body decides: JSON is served whatever the label, the rest is a 400
         assert (r.status_code == 200) == (body == raw), (ctype, r.text[:200])
@@ -238,8 +267,9 @@ def test_slow_clients_and_disconnects(served, tiny_hf_dir, tiny_drafter_dir, tmp
     """A body sent in pieces, a stream read slowly and a request sent by hand are served; clients that hang up
     mid-body, mid-stream or before a long answer leave nothing in flight, and the server keeps serving."""
     path = "/v1/chat/completions"
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 6,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 6, "stream": True}
+    ).encode()
 
     def trickle():  # the body in 7-byte pieces, 20 ms apart (chunked transfer encoding)
         for i in range(0, len(body), 7):
@@ -253,15 +283,17 @@ def test_slow_clients_and_disconnects(served, tiny_hf_dir, tiny_drafter_dir, tmp
         time.sleep(0.05)
         events.append(line)
     assert "data: [DONE]" in events
-    head = lambda n: (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"  # noqa: E731
-                      f"Content-Length: {n}\r\n\r\n").encode()
+    head = lambda n: (  # noqa: E731
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {n}\r\n\r\n"
+    ).encode()
     answer = raw_request(served.url, head(len(body)), body)
     assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
     served.settled()
 
     # hanging up before long answers: a server of its own, where max_tokens may be 300
-    cfg = serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path / "buffer", trajectories={"rows_per_shard": 1},
-                       engine={"max_batch": 4, "max_queued": 64})
+    cfg = serve_config(
+        tiny_hf_dir, tiny_drafter_dir, tmp_path / "buffer", trajectories={"rows_per_shard": 1}, engine={"max_batch": 4, "max_queued": 64}
+    )
     long = body.replace(b'"max_tokens": 6', b'"max_tokens": 300')
     with running_server(cfg, target=load_target(str(tiny_hf_dir), "float32")) as (url, state, _):
         other = Served(url, state, tmp_path / "buffer")

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 import torch
+from conftest import write_tiny_hf
+from serve_util import running_server, serve_config
 
 from adaflash.drafter import Drafter, DrafterConfig, load_drafter
 from adaflash.target import KVCache, load_target
-from conftest import write_tiny_hf
-from serve_util import running_server, serve_config
 
 
 def rss_mb() -> float:
@@ -32,18 +32,20 @@ def test_memory_is_flat_over_many_requests_and_a_swap(smollm2_dir, tmp_path):
     # 64 wide but with SmolLM2's KV bytes per token (6 layers x 8 KV heads x 128 = 48 KB in fp32), so each
     # request's caches are ~2 MB as in the real server and a leak shows in RSS
     (tmp_path / "target").mkdir()
-    hf = write_tiny_hf(tmp_path / "target", smollm2_dir, num_hidden_layers=6, num_attention_heads=8,
-                       num_key_value_heads=8, head_dim=128)
+    hf = write_tiny_hf(tmp_path / "target", smollm2_dir, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, head_dim=128)
     target = load_target(str(hf), "float32")
     torch.manual_seed(0)
-    drafter_dir = Drafter(DrafterConfig.for_target(target.model, target.identity, num_layers=1, block_size=4),
-                          target.model).save(tmp_path / "drafter", dtype=torch.float32)
-    cfg = serve_config(hf, drafter_dir, tmp_path / "buffer", engine={"max_batch": 4, "max_queued": 64},
-                       trajectories={"rows_per_shard": 50})
+    drafter_dir = Drafter(DrafterConfig.for_target(target.model, target.identity, num_layers=1, block_size=4), target.model).save(
+        tmp_path / "drafter", dtype=torch.float32
+    )
+    cfg = serve_config(hf, drafter_dir, tmp_path / "buffer", engine={"max_batch": 4, "max_queued": 64}, trajectories={"rows_per_shard": 50})
 
     def complete(i: int) -> dict:
-        r = requests.post(f"{url}/v1/completions", timeout=120,
-                          json={"model": "tiny", "prompt": f"Request {i}: count to ten.", "max_tokens": 8, "temperature": 0})
+        r = requests.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": f"Request {i}: count to ten.", "max_tokens": 8, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         return r.json()
 

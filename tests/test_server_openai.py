@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import openai
 import pytest
+from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
 from adaflash.generate import generate_ar
 from adaflash.target import load_target
-from serve_util import running_server, serve_config
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
 PROMPT = "The capital of France is"
@@ -51,8 +51,7 @@ def test_models_list(served):
 def test_chat_greedy_equals_plain_decoding(served, target):
     client, _, finished = served
     ids, text = plain(target, target.encode_chat(MESSAGES), 24)
-    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
-                                       metadata={"domain": "math"})
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, metadata={"domain": "math"})
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == ("stop" if ids[-1] in target.eos_ids else "length")
     assert r.usage.prompt_tokens == len(target.encode_chat(MESSAGES)) and r.usage.completion_tokens == len(ids)
@@ -66,8 +65,11 @@ def test_chat_greedy_equals_plain_decoding(served, target):
 def test_chat_stream_equals_non_stream(served, target):
     client, _, finished = served
     ids, text = plain(target, target.encode_chat(MESSAGES), 24)
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     body = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert body == text
@@ -126,7 +128,8 @@ def test_concurrent_requests_all_match_plain(served, target):
     client, _, _ = served
     prompts = [f"Count to {i}:" for i in range(6)]
     with ThreadPoolExecutor(6) as pool:
-        texts = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=16,
-                                                                  temperature=0).choices[0].text, prompts))
+        texts = list(
+            pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text, prompts)
+        )
     for p, got in zip(prompts, texts):
         assert got == plain(target, target.tokenizer.encode(p), 16)[1]

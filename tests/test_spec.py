@@ -7,8 +7,7 @@ import math
 
 import torch
 
-from adaflash.spec import (accepted_length, build_tree, graft, lookup_chain, tree_mask, verify_greedy, verify_sampling,
-                           verify_tree_greedy)
+from adaflash.spec import accepted_length, build_tree, graft, lookup_chain, tree_mask, verify_greedy, verify_sampling, verify_tree_greedy
 
 V = 8
 

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_target
 
 from adaflash.target import TargetConfig, TargetModel, default_feature_layers, load_target
-from conftest import tiny_target
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_matches_transformers(arch):
     import transformers
 
-    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     if arch == "llama":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
@@ -51,8 +59,8 @@ def test_left_padded_batch_matches_single_rows():
     ids = torch.zeros(3, width, dtype=torch.long)
     valid = torch.zeros(3, width, dtype=torch.bool)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        valid[i, width - len(r):] = True
+        ids[i, width - len(r) :] = r
+        valid[i, width - len(r) :] = True
     cache = model.new_cache(3)
     logits, _ = model(ids, cache, valid=valid, logits_last_only=True)
     step = torch.randint(0, 64, (3, 1))

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from adaflash.trainer.config import OnlineConfig
+from adaflash.trainer.data import Sequence, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
+from adaflash.trainer.online import OnlineModel, OnlineTrainer, clip_per_group, ds_config, gate, refit_head, retired_shards, update_loss
 
 from adaflash.buffer import ShardReader, ShardWriter
 from adaflash.config import from_dict, load_config
@@ -22,10 +25,6 @@ from adaflash.drafter import load_drafter
 from adaflash.engine import Engine, FixedPolicy, Request
 from adaflash.length_head import LengthHead, LengthHeadConfig
 from adaflash.target import load_target
-from adaflash.trainer.config import OnlineConfig
-from adaflash.trainer.data import Sequence, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
-from adaflash.trainer.online import (OnlineModel, OnlineTrainer, clip_per_group, ds_config, gate, refit_head,
-                                     retired_shards, update_loss)
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS_PER_SHARD = 4
@@ -47,8 +46,12 @@ def served(tmp_path_factory, tiny_hf_dir, tiny_drafter_dir):
     drafter = load_drafter(tiny_drafter_dir, target.model, target.identity, torch.float32)
     engine = Engine(target.model, drafter, FixedPolicy(), target.eos_ids, max_batch=12)
     topics = ["sums", "primes", "loops", "lists", "fractions", "strings"]
-    reqs = [Request(rid, target.encode_chat(f"Explain {topics[i % 6]} in example {i}."), max_new_tokens=16,
-                    domain=["math", "code", "chat"][i % 3]) for i, rid in enumerate(request_ids(3))]
+    reqs = [
+        Request(
+            rid, target.encode_chat(f"Explain {topics[i % 6]} in example {i}."), max_new_tokens=16, domain=["math", "code", "chat"][i % 3]
+        )
+        for i, rid in enumerate(request_ids(3))
+    ]
     with ShardWriter(root, "node0", rows_per_shard=ROWS_PER_SHARD, max_age_s=None) as writer:
         for st in engine.run(reqs):
             writer.append(engine.trajectory(st, "node0"))
@@ -106,8 +109,15 @@ def test_gate_promotes_and_rejects():
 
 def test_batch_teacher_rows_and_masks():
     # hidden[i] = i and target_next[i] = 100 + i make the gathered teacher rows readable
-    s = Sequence("r", "math", torch.arange(10), torch.tensor([2, 5, 7]), feats=torch.zeros(10, 3),
-                 hidden=torch.arange(10.0)[:, None].expand(10, 2), target_next=100 + torch.arange(10))
+    s = Sequence(
+        "r",
+        "math",
+        torch.arange(10),
+        torch.tensor([2, 5, 7]),
+        feats=torch.zeros(10, 3),
+        hidden=torch.arange(10.0)[:, None].expand(10, 2),
+        target_next=100 + torch.arange(10),
+    )
     b = make_batch([(s, s.anchors), (s, s.anchors[:1])], k_blk=4)
     assert b["tgt_hidden"][0, :, :, 0].tolist() == [[2, 3, 4], [5, 6, 7], [7, 8, 9]]  # teacher of a + k at a + k - 1
     assert b["valid"][0].tolist() == [[True] * 3, [True] * 3, [True, True, False]]  # label 10 is past the end
@@ -119,8 +129,9 @@ def test_batch_teacher_rows_and_masks():
 
 
 def test_round_memory_keeps_the_last_rounds_and_ignores_a_killed_rounds_file(tmp_path, served):
-    from adaflash.buffer import ShardReader, from_arrow
     from adaflash.trainer.memory import RoundMemory
+
+    from adaflash.buffer import ShardReader, from_arrow
 
     probe = ShardReader(served["root"], ledger_path=tmp_path / "ledger.jsonl")
     tables = [b.table for b in probe.poll()]  # 3 shards of 4 trajectories
@@ -143,16 +154,18 @@ def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
     assert cfg.loss.kind == "opd" and cfg.loss.clip_mode == "vocab" and cfg.max_rounds == 0
     assert load_config(REPO / "configs" / "online_tiny.yaml", OnlineConfig).drafter.save_dtype == "float32"
     bad = tmp_path / "bad.yaml"
-    for text, match in [("loss:\n  kind: kl\n", r"kind must be one of \('opd', 'osd', 'head'\)"),
-                        ("deepspeed:\n  zero_stage: 3\n", "zero_stage must be 0, 1 or 2"),
-                        ("buffer:\n  min_new_round: 5\n", "unknown key.*min_new_round"),
-                        ("train:\n  replay_rounds: -1\n", "replay_rounds must be >= 0"),
-                        ("gate:\n  heldout_rounds: -2\n", "heldout_rounds must be >= 0"),
-                        ("train:\n  head_refit_epochs: 5\ndeepspeed:\n  zero_stage: 2\n", "head_refit_epochs needs deepspeed.zero_stage 0"),
-                        ("retention:\n  policy: shred\n", r"retention: policy must be one of \('keep', 'delete', 'compact'\)"),
-                        ("retention:\n  policy: delete\n  keep_rounds: -1\n", "keep_rounds must be >= 0"),
-                        ("retention:\n  policy: delete\n  max_bytes: -5\n", "max_bytes must be >= 0 or null"),
-                        ("retention:\n  keep_rounds: 3\n", "with policy 'keep' nothing is removed")]:
+    for text, match in [
+        ("loss:\n  kind: kl\n", r"kind must be one of \('opd', 'osd', 'head'\)"),
+        ("deepspeed:\n  zero_stage: 3\n", "zero_stage must be 0, 1 or 2"),
+        ("buffer:\n  min_new_round: 5\n", "unknown key.*min_new_round"),
+        ("train:\n  replay_rounds: -1\n", "replay_rounds must be >= 0"),
+        ("gate:\n  heldout_rounds: -2\n", "heldout_rounds must be >= 0"),
+        ("train:\n  head_refit_epochs: 5\ndeepspeed:\n  zero_stage: 2\n", "head_refit_epochs needs deepspeed.zero_stage 0"),
+        ("retention:\n  policy: shred\n", r"retention: policy must be one of \('keep', 'delete', 'compact'\)"),
+        ("retention:\n  policy: delete\n  keep_rounds: -1\n", "keep_rounds must be >= 0"),
+        ("retention:\n  policy: delete\n  max_bytes: -5\n", "max_bytes must be >= 0 or null"),
+        ("retention:\n  keep_rounds: 3\n", "with policy 'keep' nothing is removed"),
+    ]:
         bad.write_text(text)
         with pytest.raises(ConfigError, match=match):
             load_config(bad, OnlineConfig)
@@ -181,8 +194,9 @@ def test_cli_help_explains_the_loop(capsys):
 @pytest.fixture(scope="module")
 def supervised(served):
     """The served trajectories with the teacher recomputed, split train / held-out."""
-    seqs = to_sequences([t for b in ShardReader(served["root"], ledger_path=served["root"] / "_probe2.jsonl").poll()
-                         for t in b.trajectories()])
+    seqs = to_sequences(
+        [t for b in ShardReader(served["root"], ledger_path=served["root"] / "_probe2.jsonl").poll() for t in b.trajectories()]
+    )
     supervise(served["target"].model, seqs, chunk=4)
     train = [s for s in seqs if not is_heldout(s.request_id, HELDOUT_FRAC)]
     held = [s for s in seqs if is_heldout(s.request_id, HELDOUT_FRAC)]
@@ -195,8 +209,9 @@ def test_teacher_and_training_forward_reproduce_what_was_served(served, supervis
     the server drafted, and the recomputed target agrees with the server's verification."""
     t = served["target"]
     drafter = load_drafter(tiny_drafter_dir, t.model, t.identity, torch.float32)
-    trajs = {x.request_id: x for b in ShardReader(served["root"], ledger_path=served["root"] / "_probe3.jsonl").poll()
-             for x in b.trajectories()}
+    trajs = {
+        x.request_id: x for b in ShardReader(served["root"], ledger_path=served["root"] / "_probe3.jsonl").poll() for x in b.trajectories()
+    }
     checked = 0
     for s in supervised[0] + supervised[1]:
         batch = make_batch([(s, s.anchors)], 4)
@@ -216,7 +231,6 @@ def test_teacher_and_training_forward_reproduce_what_was_served(served, supervis
 
 def ds_engine(served, drafter_dir, cfg: OnlineConfig):
     import deepspeed
-
     from adaflash.pipelines.pretrain import init_distributed
 
     t = served["target"]
@@ -313,12 +327,10 @@ def version_weights(registry, version: str, tmp: Path) -> dict:
 
 
 def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir):
+    from adaflash.registry import Registry
     from mlflow import MlflowClient
 
-    from adaflash.registry import Registry
-
-    path = trainer_config(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "gate-test",
-                          loss={"kind": "osd"})
+    path = trainer_config(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "gate-test", loss={"kind": "osd"})
     cfg = load_config(path, OnlineConfig)
     lines = []
     trainer = OnlineTrainer(cfg, log=lines.append)
@@ -372,8 +384,7 @@ def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_se
     assert any("champion moved to v2 outside the trainer" in x for x in lines)
 
 
-def test_head_only_rounds_leave_the_drafter_as_served_and_fit_the_head(tmp_path, served, mlflow_server, tiny_hf_dir,
-                                                                       tiny_drafter_dir):
+def test_head_only_rounds_leave_the_drafter_as_served_and_fit_the_head(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir):
     """loss.kind "head": no distillation, the published drafter is the served one bit for bit (in the save dtype),
     only the length head learns from the acceptance labels, and the gate promotes it (tau cannot move)."""
     from safetensors.torch import load_file
@@ -399,8 +410,9 @@ def test_head_only_rounds_leave_the_drafter_as_served_and_fit_the_head(tmp_path,
     assert len(steps) == cfg.train.steps_per_update and not {"hard", "rkl", "fkl"} & set(steps[0])
 
 
-def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monkeypatch, served, mlflow_server,
-                                                                  tiny_hf_dir, tiny_drafter_dir):
+def test_killed_trainers_resume_and_train_each_shard_exactly_once(
+    tmp_path, monkeypatch, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir
+):
     """Four crash windows over the same 2 rounds of data. A: a real `adaflash train` process, kill -9'd during
     round 2's steps, then restarted. B: dies between writing state.json and the ledger commit of round 1, and
     its restart dies again between registering round 1 and moving the champion alias; round 2 dies in retention,
@@ -408,17 +420,22 @@ def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monk
     committed once, one version per round, and A and B publish identical round-2 weights (a shard trained twice,
     or skipped, would change them). Retention removes exactly the consumed shards it no longer keeps (A keeps the
     newest round, B none), finishes a removal a kill interrupted, and never touches the pending shard."""
-    from mlflow import MlflowClient
-
     from adaflash.registry import Registry
+    from mlflow import MlflowClient
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     shards = served["shards"][:2]  # the third stays pending: max_rounds is 2
 
     # A: kill -9 mid-round 2, restart
-    cmd = [sys.executable, "-m", "adaflash.cli", "train", "--config",
-           str(trainer_config(a, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "killed-a"))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "adaflash.cli",
+        "train",
+        "--config",
+        str(trainer_config(a, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "killed-a")),
+    ]
     # a fresh single-process job: not the rank variables init_distributed set in this test process
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     with open(a / "train.log", "wb") as log:
@@ -441,8 +458,9 @@ def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monk
     assert shard_files(a / "buffer") == served["shards"][1:]  # keep_rounds 1: round 1's shard went after round 2
 
     # B: die after state.json, before the ledger commit of round 1; restart, then round 2
-    cfg = load_config(trainer_config(b, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "killed-b",
-                                     retention={"keep_rounds": 0}), OnlineConfig)
+    cfg = load_config(
+        trainer_config(b, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "killed-b", retention={"keep_rounds": 0}), OnlineConfig
+    )
     trainer = OnlineTrainer(cfg, log=lambda _: None)
 
     def die(*args, **kwargs):
@@ -489,8 +507,7 @@ def test_killed_trainers_resume_and_train_each_shard_exactly_once(tmp_path, monk
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_a_head_fitted_on_shorter_blocks_is_refused_with_what_to_do(tmp_path, served, mlflow_server, tiny_hf_dir,
-                                                                    tiny_drafter_dir):
+def test_a_head_fitted_on_shorter_blocks_is_refused_with_what_to_do(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir):
     """`fit-head --draft-len` heads read L-blocks; the online trainer trains whole-block heads, so it
     says so instead of training one on features it was not fitted on."""
     from adaflash.length_head import LengthHead, LengthHeadConfig, save_length_head

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from adaflash.server.config import ServeConfig
+from adaflash.trainer.config import OnlineConfig
+from conftest import free_port
 
 from adaflash.cli import main
 from adaflash.config import from_dict, load_config
-from adaflash.server.config import ServeConfig
-from adaflash.trainer.config import OnlineConfig
 from adaflash.up import UpConfig, derive_config
-from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,8 +43,7 @@ def _fill(obj, subs: dict):
 
 def tiny_up_config(tmp_path: Path, hf_dir: Path, drafter_dir: Path) -> Path:
     data = yaml.safe_load((REPO / "configs/up_tiny.yaml").read_text())
-    data = _fill(data, {"PATH-TO-RUN-DIR": tmp_path / "up", "PATH-TO-TINY-TARGET": hf_dir,
-                        "PATH-TO-TINY-DRAFTER": drafter_dir})
+    data = _fill(data, {"PATH-TO-RUN-DIR": tmp_path / "up", "PATH-TO-TINY-TARGET": hf_dir, "PATH-TO-TINY-DRAFTER": drafter_dir})
     data["mlflow"]["port"], data["serve"]["port"] = free_port(), free_port()
     # a tiny random drafter's held-out tau is noise: let the gate promote every round (min_heldout_blocks
     # stays) so the loop's promote -> hot-swap path runs in the test
@@ -106,8 +105,13 @@ def test_ctrl_c_while_starting_stops_what_started(tiny_hf_dir, tiny_drafter_dir,
     path = tiny_up_config(tmp_path, tiny_hf_dir, tiny_drafter_dir)
     out = tmp_path / "up.out"
     with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "adaflash.cli", "up", "--config", str(path)], cwd=REPO,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "adaflash.cli", "up", "--config", str(path)],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 60
         while not any("mlflow server" in p for p in _procs_mentioning(str(tmp_path / "up"))):
@@ -128,8 +132,13 @@ def test_whole_loop_until_a_round_lands_then_ctrl_c(tiny_hf_dir, tiny_drafter_di
     path = tiny_up_config(tmp_path, tiny_hf_dir, tiny_drafter_dir)
     cfg = load_config(path, UpConfig)
     out = open(tmp_path / "up.out", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "adaflash.cli", "up", "--config", str(path), "--duration", "300"],
-                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaflash.cli", "up", "--config", str(path), "--duration", "300"],
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     api = f"{cfg.tracking_uri}/api/2.0/mlflow/registered-models/alias"
     try:
         # version 1 = bootstrap; wait for a trainer round the gate promotes (a round whose request-id hash split
@@ -165,8 +174,12 @@ def test_whole_loop_until_a_round_lands_then_ctrl_c(tiny_hf_dir, tiny_drafter_di
     assert text.index("up: starting mlflow") < text.index("up: starting serve") < text.index("up: starting loadgen")
     assert "shutting down (SIGINT)" in text and f"logs are in {run_dir}/logs/" in text
     # children stopped in reverse order of their start
-    assert text.index("up: loadgen: stopped") < text.index("up: train: stopped") < text.index("up: serve: stopped") \
+    assert (
+        text.index("up: loadgen: stopped")
+        < text.index("up: train: stopped")
+        < text.index("up: serve: stopped")
         < text.index("up: mlflow: stopped")
+    )
     assert "server   " in text and "tok/s" in text and "registry tiny-drafter:" in text  # the live view
     assert "[train] round 1" in (run_dir / "logs" / "train.log").read_text()
     assert re.search(r"loadgen: \d+ requests in", (run_dir / "logs" / "loadgen.log").read_text())  # drained, summarised

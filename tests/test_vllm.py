@@ -16,6 +16,9 @@ import openai
 import pytest
 import requests
 import torch
+from adaflash.pipelines.prompts import load_domain
+from adaflash.server.vllm_backend import vllm_python
+from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
 from adaflash.cli import DEFAULT_DRAFTER
@@ -23,19 +26,15 @@ from adaflash.dflash_format import export_dflash
 from adaflash.drafter import load_drafter
 from adaflash.engine import Engine, FixedPolicy, Request
 from adaflash.generate import generate_ar
-from adaflash.pipelines.prompts import load_domain
 from adaflash.registry import Registry, bootstrap
-from adaflash.server.vllm_backend import vllm_python
 from adaflash.target import load_target, stock_hf_dir
-from serve_util import running_server, serve_config
 
 try:
     VLLM_PY = vllm_python(None)
 except FileNotFoundError as e:
     VLLM_PY, WHY = None, str(e)
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.skipif(VLLM_PY is None, reason="vLLM is not installed (`make vllm`)")]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(VLLM_PY is None, reason="vLLM is not installed (`make vllm`)")]
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 64
 
@@ -56,21 +55,36 @@ def test_stock_vllm_runs_the_export_losslessly_with_the_same_acceptance(target, 
     export = export_dflash(drafter, tmp_path / "dflash")
     (tmp_path / "prompts.json").write_text(json.dumps(gsm8k))
     out = tmp_path / "vllm.json"
-    proc = subprocess.run([str(VLLM_PY), str(HERE / "vllm_offline.py"), str(stock_hf_dir("smollm2")), str(export),
-                           str(drafter.block_size - 1), str(MAX_TOKENS), str(tmp_path / "prompts.json"), str(out)],
-                          capture_output=True, text=True, timeout=900, env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin",
-                                                                            "VLLM_CPU_KVCACHE_SPACE": "2"})
+    proc = subprocess.run(
+        [
+            str(VLLM_PY),
+            str(HERE / "vllm_offline.py"),
+            str(stock_hf_dir("smollm2")),
+            str(export),
+            str(drafter.block_size - 1),
+            str(MAX_TOKENS),
+            str(tmp_path / "prompts.json"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin", "VLLM_CPU_KVCACHE_SPACE": "2"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["dflash"] == got["plain"]  # greedy DFlash in stock vLLM == vLLM's plain decoding, token for token
     tau_vllm = sum(got["mean_acceptance_length"]) / len(gsm8k)
     # AdaFlash's own engine, same drafter, same prompts, whole-block verification, no prompt lookup
     states = Engine(target.model, drafter, FixedPolicy(), target.eos_ids, max_batch=8).run(
-        [Request(f"g{i}", p, MAX_TOKENS) for i, p in enumerate(gsm8k)])
+        [Request(f"g{i}", p, MAX_TOKENS) for i, p in enumerate(gsm8k)]
+    )
     tau_ours = sum(s.tau for s in states) / len(states)
-    print(f"\nvLLM-CPU DFlash mean acceptance length {tau_vllm:.3f}, AdaFlash engine tau {tau_ours:.3f} "
-          f"({len(gsm8k)} GSM8K eval prompts x {MAX_TOKENS} tokens); vLLM wall plain {got['wall_s']['plain']:.1f} s, "
-          f"dflash {got['wall_s']['dflash']:.1f} s")
+    print(
+        f"\nvLLM-CPU DFlash mean acceptance length {tau_vllm:.3f}, AdaFlash engine tau {tau_ours:.3f} "
+        f"({len(gsm8k)} GSM8K eval prompts x {MAX_TOKENS} tokens); vLLM wall plain {got['wall_s']['plain']:.1f} s, "
+        f"dflash {got['wall_s']['dflash']:.1f} s"
+    )
     assert abs(tau_vllm - tau_ours) <= 0.10 * tau_ours, (tau_vllm, tau_ours)
 
 
@@ -90,12 +104,23 @@ def served(target, mlflow_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-serve")
     reg = Registry(mlflow_server, model_name="vllm-backend", retries=2, backoff_s=0.2)
     assert bootstrap(reg, DEFAULT_DRAFTER) == "1"
-    cfg = serve_config("smollm2", DEFAULT_DRAFTER, tmp / "buffer", backend="vllm",
-                       model={"name": "smollm2", "dtype": "float32", "drafter_dtype": "float32"},
-                       engine={"max_batch": 8, "max_model_len": 2048, "max_tokens_limit": 512},
-                       registry={"tracking_uri": mlflow_server, "model_name": reg.model_name,
-                                 "cache_dir": str(tmp / "cache"), "interval_s": 1.0, "retries": 2},
-                       trajectories={"max_age_s": 1}, vllm={"work_dir": str(tmp / "vllm"), "threads": 2})
+    cfg = serve_config(
+        "smollm2",
+        DEFAULT_DRAFTER,
+        tmp / "buffer",
+        backend="vllm",
+        model={"name": "smollm2", "dtype": "float32", "drafter_dtype": "float32"},
+        engine={"max_batch": 8, "max_model_len": 2048, "max_tokens_limit": 512},
+        registry={
+            "tracking_uri": mlflow_server,
+            "model_name": reg.model_name,
+            "cache_dir": str(tmp / "cache"),
+            "interval_s": 1.0,
+            "retries": 2,
+        },
+        trajectories={"max_age_s": 1},
+        vllm={"work_dir": str(tmp / "vllm"), "threads": 2},
+    )
     finished: dict[str, list[int]] = {}
     with running_server(cfg, api_key="sk-v", ready_timeout=900) as (url, state, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-v", max_retries=0, timeout=300)
@@ -121,8 +146,7 @@ def _wait_version(url: str, version: str, timeout: float) -> None:
 def _chat(client, target, q: str, stream: bool = False):
     msgs = [{"role": "user", "content": q}]
     if stream:
-        chunks = list(client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
-                                                     stream=True))
+        chunks = list(client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=True))
         last = [c for c in chunks if c.choices][-1]
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), last.model_extra["adaflash"], chunks[0].id
     r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
@@ -136,16 +160,19 @@ def test_openai_api_on_vllm_equals_plain_decoding(served, target):
     url, client, _, finished, _, _ = served
     _wait_version(url, "1", 60)
     ids = target.encode_chat(Q)
-    want = target.tokenizer.decode(generate_ar(target.model, ids, MAX_TOKENS, target.eos_ids).output_ids,
-                                   skip_special_tokens=True)
+    want = target.tokenizer.decode(generate_ar(target.model, ids, MAX_TOKENS, target.eos_ids).output_ids, skip_special_tokens=True)
     for stream in (False, True):
         text, stats, rid = _chat(client, target, Q, stream)
         assert text == want
         assert stats["policy"] == "vllm-dflash16" and stats["drafter_version"] == "1" and stats["rounds"] >= 1
         assert stats["tau"] > 1.3 and sum(stats["accepted"]["histogram"]) == stats["rounds"]
         finished[rid] = len(ids)
-    r = requests.post(f"{url}/v1/chat/completions", json={"model": "smollm2", "messages": [], "max_tokens": 4},
-                      headers={"Authorization": "Bearer sk-v"}, timeout=30)
+    r = requests.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "smollm2", "messages": [], "max_tokens": 4},
+        headers={"Authorization": "Bearer sk-v"},
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = requests.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": "hi"}, timeout=30)
     assert r.status_code == 401
@@ -165,8 +192,9 @@ def test_hot_swap_into_vllm_changes_the_draft_not_the_target(served, target):
         while not stop.is_set():
             try:
                 t, last = time.monotonic(), None
-                for last in client.completions.create(model="smollm2", prompt="List three colors:", max_tokens=24,
-                                                      temperature=0, stream=True):
+                for last in client.completions.create(
+                    model="smollm2", prompt="List three colors:", max_tokens=24, temperature=0, stream=True
+                ):
                     gaps.append(time.monotonic() - t)  # seconds between streamed chunks
                     t = time.monotonic()
                 statuses.append("ok" if last.choices[0].finish_reason else "cut")
@@ -192,8 +220,10 @@ def test_hot_swap_into_vllm_changes_the_draft_not_the_target(served, target):
     assert stats_back["tau"] == pytest.approx(stats1["tau"], abs=0.25)
     assert statuses and set(statuses) == {"ok"}, statuses[:5]
     gaps.sort()
-    print(f"\nswap into vLLM: {state.runner.engine.stats['last_swap_s']} s in the worker; streamed chunk gaps under "
-          f"2 clients: median {gaps[len(gaps) // 2]:.3f} s, max {gaps[-1]:.3f} s over {len(statuses)} requests")
+    print(
+        f"\nswap into vLLM: {state.runner.engine.stats['last_swap_s']} s in the worker; streamed chunk gaps under "
+        f"2 clients: median {gaps[len(gaps) // 2]:.3f} s, max {gaps[-1]:.3f} s over {len(statuses)} requests"
+    )
     status = requests.get(f"{url}/v1/status", headers={"Authorization": "Bearer sk-v"}, timeout=10).json()
     assert status["registry"]["swaps"] >= 3 and status["registry"]["refused"] == 0
 
@@ -216,14 +246,26 @@ def test_a_version_for_another_target_is_refused_and_serving_goes_on(served, tar
 def test_rows_from_vllm_replay_to_the_same_acceptance(served, target):
     """The trainer's view of vLLM rows: teacher-forced drafting at each recorded anchor (the served
     drafter over prompt + output) accepts what vLLM accepted in that step (greedy)."""
-    from adaflash.losses import accepted_length
     from adaflash.trainer.data import make_batch, supervise, to_sequences
+
+    from adaflash.losses import accepted_length
 
     url, client, _, _, tmp, _ = served
     _wait_version(url, "1", 60)
-    ids = {client.chat.completions.create(model="smollm2", max_tokens=2 * MAX_TOKENS, temperature=0, messages=[
-        {"role": "user", "content": f"Tom has {7 + i} boxes of 12 apples and sells 5 apples. How many are left? "
-                                    "Explain step by step."}]).id for i in range(3)}
+    ids = {
+        client.chat.completions.create(
+            model="smollm2",
+            max_tokens=2 * MAX_TOKENS,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": f"Tom has {7 + i} boxes of 12 apples and sells 5 apples. How many are left? Explain step by step.",
+                }
+            ],
+        ).id
+        for i in range(3)
+    }
     deadline = time.monotonic() + 30  # rows of earlier tests were drafted by other versions: these three only
     while len(rows := [t for b in ShardReader(tmp / "buffer").poll() for t in b.trajectories() if t.request_id in ids]) < 3:
         assert time.monotonic() < deadline, "trajectory rows were not flushed"

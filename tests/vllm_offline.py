@@ -15,8 +15,15 @@ import time
 def run(target: str, spec: dict | None, prompts: list[list[int]], max_tokens: int):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=target, dtype="float32", speculative_config=spec, enforce_eager=True, max_model_len=2048, seed=0,
-              per_request_spec_decode_metrics="detailed" if spec else "none")
+    llm = LLM(
+        model=target,
+        dtype="float32",
+        speculative_config=spec,
+        enforce_eager=True,
+        max_model_len=2048,
+        seed=0,
+        per_request_spec_decode_metrics="detailed" if spec else "none",
+    )
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
     wall = time.perf_counter() - t0
@@ -36,8 +43,10 @@ def main() -> None:
     plain, _, t_plain = run(target, None, prompts, int(max_tokens))
     spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": int(num_spec)}
     dflash, acc, t_dflash = run(target, spec, prompts, int(max_tokens))
-    json.dump({"plain": plain, "dflash": dflash, "mean_acceptance_length": acc,
-               "wall_s": {"plain": t_plain, "dflash": t_dflash}}, open(out_path, "w"))
+    json.dump(
+        {"plain": plain, "dflash": dflash, "mean_acceptance_length": acc, "wall_s": {"plain": t_plain, "dflash": t_dflash}},
+        open(out_path, "w"),
+    )
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this file

@@ -24,20 +24,24 @@ Example: adaflash train --config configs/online_smollm2.yaml
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("train", help="online trainer: buffer -> OPD/OSD update rounds -> MLflow registry",
-                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "train",
+        help="online trainer: buffer -> OPD/OSD update rounds -> MLflow registry",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", required=True, help="YAML, e.g. configs/online_smollm2.yaml")
-    p.add_argument("--max-rounds", type=int, default=None,
-                   help="update rounds before exiting (overrides max_rounds; 0 = forever)")
+    p.add_argument("--max-rounds", type=int, default=None, help="update rounds before exiting (overrides max_rounds; 0 = forever)")
     p.add_argument("--tracking-uri", default=None, help="MLflow server URL (overrides mlflow.tracking_uri)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaflash.cli import UsageError
-    from adaflash.config import load_config
     from adaflash.trainer.config import OnlineConfig
     from adaflash.trainer.online import OnlineTrainer
+
+    from adaflash.cli import UsageError
+    from adaflash.config import load_config
 
     cfg = load_config(args.config, OnlineConfig)
     if args.max_rounds is not None:

@@ -67,8 +67,10 @@ class RetentionSection:
         if self.max_bytes is not None and self.max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or null (no cap), got {self.max_bytes}")
         if self.policy == "keep" and (self.keep_rounds or self.max_bytes is not None):
-            raise ValueError("keep_rounds and max_bytes limit what policy 'delete' or 'compact' removes; "
-                             "with policy 'keep' nothing is removed: set the policy or drop them")
+            raise ValueError(
+                "keep_rounds and max_bytes limit what policy 'delete' or 'compact' removes; "
+                "with policy 'keep' nothing is removed: set the policy or drop them"
+            )
 
 
 LOSS_KINDS = ("opd", "osd", "head")
@@ -130,8 +132,10 @@ class DeepSpeedSection:
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage} (stage 3 partitions the weights "
-                             "themselves, which a drafter of this size does not need and the round export does not gather)")
+            raise ValueError(
+                f"zero_stage must be 0, 1 or 2, got {self.zero_stage} (stage 3 partitions the weights "
+                "themselves, which a drafter of this size does not need and the round export does not gather)"
+            )
 
 
 @dataclass
@@ -185,5 +189,7 @@ class OnlineConfig:
         if self.max_rounds < 0:
             raise ValueError(f"max_rounds must be >= 0 (0 = forever), got {self.max_rounds}")
         if self.train.head_refit_epochs and self.deepspeed.zero_stage:
-            raise ValueError("train.head_refit_epochs needs deepspeed.zero_stage 0: ZeRO keeps its own master copy of "
-                             "the head, which a refit outside the optimizer does not update; set one of them to 0")
+            raise ValueError(
+                "train.head_refit_epochs needs deepspeed.zero_stage 0: ZeRO keeps its own master copy of "
+                "the head, which a refit outside the optimizer does not update; set one of them to 0"
+            )

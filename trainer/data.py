@@ -119,12 +119,21 @@ def make_batch(items: list[tuple[Sequence, Tensor]], k_blk: int) -> dict:
         tgt_hidden[i, : len(a)] = s.hidden[rows]
         tgt_next[i, : len(a)] = s.target_next[rows]
         valid[i, : len(a)] = ok
-    return {"tokens": tokens, "feats": feats, "anchors": anchors, "lengths": lengths, "tgt_hidden": tgt_hidden,
-            "tgt_next": tgt_next, "valid": valid, "full": valid.all(-1)}
+    return {
+        "tokens": tokens,
+        "feats": feats,
+        "anchors": anchors,
+        "lengths": lengths,
+        "tgt_hidden": tgt_hidden,
+        "tgt_next": tgt_next,
+        "valid": valid,
+        "full": valid.all(-1),
+    }
 
 
-def train_items(seqs: list[Sequence], step: int, rank: int, world: int, seqs_per_step: int, anchors_per_seq: int,
-                seed: int, round_no: int) -> list[tuple[Sequence, Tensor]]:
+def train_items(
+    seqs: list[Sequence], step: int, rank: int, world: int, seqs_per_step: int, anchors_per_seq: int, seed: int, round_no: int
+) -> list[tuple[Sequence, Tensor]]:
     """The (sequence, sampled recorded anchors) items of one step on one rank.
 
     Deterministic in (seed, round, step, rank): a restarted round replays the same batches. Sequences

@@ -39,8 +39,9 @@ class RoundMemory:
 
     def load(self, r: int, n: int) -> dict[int, list[Trajectory]]:
         """{round: its trajectories} for the rounds r-n .. r-1 that are still kept, oldest first."""
-        return {j: from_arrow(pq.read_table(self.path(j), schema=TRAJECTORY_SCHEMA))
-                for j in range(max(1, r - n), r) if self.path(j).exists()}
+        return {
+            j: from_arrow(pq.read_table(self.path(j), schema=TRAJECTORY_SCHEMA)) for j in range(max(1, r - n), r) if self.path(j).exists()
+        }
 
     def prune(self, r: int, n: int) -> None:
         """Drop rounds that round r + 1 will no longer read (older than r + 1 - n)."""

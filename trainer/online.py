@@ -46,6 +46,10 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
+from adaflash.pipelines.pretrain import from_rank0, init_distributed
+from adaflash.trainer.config import LossSection, OnlineConfig
+from adaflash.trainer.data import capture_output, eval_items, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
+from adaflash.trainer.memory import RoundMemory
 from torch import Tensor, nn
 
 from adaflash.buffer import TRAJECTORY_SCHEMA, ShardReader, from_arrow
@@ -53,13 +57,8 @@ from adaflash.config import to_dict
 from adaflash.drafter import Drafter, load_drafter
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, load_length_head, save_length_head
 from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
-from adaflash.pipelines.pretrain import from_rank0, init_distributed
 from adaflash.registry import load_version
 from adaflash.target import load_target
-from adaflash.trainer.config import LossSection, OnlineConfig
-from adaflash.trainer.data import (capture_output, eval_items, heldout_tau, is_heldout, make_batch, supervise, to_sequences,
-                                   train_items)
-from adaflash.trainer.memory import RoundMemory
 
 
 class OnlineModel(nn.Module):
@@ -109,8 +108,9 @@ def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor | None, batch: 
         acc = accepted_length(d.argmax(-1), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
     head = length_head_loss(pred.flatten()[full], acc[full], k_blk) if full.any() else pred.sum() * 0.0
     metrics = {k: float(v) for k, v in out.items() if k != "loss"}
-    metrics.update(head_loss=float(head.detach()), train_acc_len=float(acc[full].float().mean()) if full.any() else 0.0,
-                   positions=int(valid.sum()))
+    metrics.update(
+        head_loss=float(head.detach()), train_acc_len=float(acc[full].float().mean()) if full.any() else 0.0, positions=int(valid.sum())
+    )
     return out["loss"] + lc.head_weight * head, metrics
 
 
@@ -137,8 +137,9 @@ def refit_head(model: OnlineModel, seqs, k_blk: int, t, seed: int) -> dict | Non
     if sum(len(a) for a in accepted) < 2:
         return None
     with torch.enable_grad():
-        return fit_length_head(model.head, torch.cat(states), torch.cat(accepted), k_blk, lr=t.head_lr,
-                               epochs=t.head_refit_epochs, seed=seed)
+        return fit_length_head(
+            model.head, torch.cat(states), torch.cat(accepted), k_blk, lr=t.head_lr, epochs=t.head_refit_epochs, seed=seed
+        )
 
 
 def ds_config(cfg: OnlineConfig) -> dict:
@@ -161,8 +162,10 @@ def clip_per_group(engine, max_norm: float) -> list[float]:
     norm ties them (the head's loss changes the drafter's clipped step, and the drafter's norm rescales
     the head's gradients from step to step). Gradients must be whole on every rank (ZeRO 0).
     -> each group's norm before clipping."""
-    return [float(torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], max_norm))
-            for g in engine.optimizer.param_groups]
+    return [
+        float(torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], max_norm))
+        for g in engine.optimizer.param_groups
+    ]
 
 
 def gate(before: dict, after: dict, tolerance: float, min_blocks: int) -> tuple[bool, str]:
@@ -208,7 +211,6 @@ class OnlineTrainer:
         import deepspeed
         import torch.distributed as dist
 
-
         self.cfg, self.log = cfg, log
         self.ckpt = Path(cfg.checkpoint.dir)
         self.state_path = self.ckpt / "state.json"
@@ -233,9 +235,11 @@ class OnlineTrainer:
         drafter = load_drafter(self.ckpt / "init", self.target.model, self.target.identity, torch.float32)
         head = load_length_head(self.ckpt / "init", drafter.config.hidden_size)
         if head.config.block_size != drafter.block_size:
-            raise ValueError(f"the length head in {self.ckpt / 'init'} reads blocks of {head.config.block_size} positions "
-                             f"(fit-head --draft-len) but the online trainer trains heads on the drafter's whole "
-                             f"{drafter.block_size}-blocks: start from a whole-block head (adaflash fit-head without --draft-len)")
+            raise ValueError(
+                f"the length head in {self.ckpt / 'init'} reads blocks of {head.config.block_size} positions "
+                f"(fit-head --draft-len) but the online trainer trains heads on the drafter's whole "
+                f"{drafter.block_size}-blocks: start from a whole-block head (adaflash fit-head without --draft-len)"
+            )
         frozen = cfg.loss.kind == "head"  # only the length head learns; the drafter is served as it is
         model = OnlineModel(drafter.requires_grad_(not frozen), head.requires_grad_(True))
         groups = [] if frozen else [{"params": list(drafter.parameters()), "lr": cfg.train.lr}]
@@ -246,8 +250,16 @@ class OnlineTrainer:
         if fresh:  # round 0 = the starting weights, so every round has a checkpoint to resume or roll back to
             self.engine.save_checkpoint(str(self.ckpt), tag="round0")
             if self.rank == 0:
-                _write_json_atomic(self.state_path, {**json.loads((self.ckpt / "init" / "start.json").read_text()),
-                                                     "round": 0, "weights_tag": "round0", "pending": None, "inflight_run": None})
+                _write_json_atomic(
+                    self.state_path,
+                    {
+                        **json.loads((self.ckpt / "init" / "start.json").read_text()),
+                        "round": 0,
+                        "weights_tag": "round0",
+                        "pending": None,
+                        "inflight_run": None,
+                    },
+                )
         self._barrier()
         self.state = json.loads(self.state_path.read_text())
         if not fresh:
@@ -302,14 +314,18 @@ class OnlineTrainer:
         names = retired_shards(self.reader.consumed_present(), self.state["round"], rc.keep_rounds, rc.max_bytes)
         if names:
             out = self.reader.retain(rc.policy, names)
-            self.log(f"[train] retention: {rc.policy} {len(out['removed'])} consumed shard(s)"
-                     + (f" into {out['archive']}" if out["archive"] else ""))
+            self.log(
+                f"[train] retention: {rc.policy} {len(out['removed'])} consumed shard(s)"
+                + (f" into {out['archive']}" if out["archive"] else "")
+            )
 
     def _load_weights(self, tag: str) -> None:
         path, _ = self.engine.load_checkpoint(str(self.ckpt), tag=tag)
         if path is None:
-            raise FileNotFoundError(f"DeepSpeed checkpoint {self.ckpt / tag} named in {self.state_path} is missing: "
-                                    f"restore it, or move {self.ckpt} away to start over from the registry's champion")
+            raise FileNotFoundError(
+                f"DeepSpeed checkpoint {self.ckpt / tag} named in {self.state_path} is missing: "
+                f"restore it, or move {self.ckpt} away to start over from the registry's champion"
+            )
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -348,7 +364,9 @@ class OnlineTrainer:
             drafter, head = load_version(path, self.target, torch.float32)
         except (ValueError, OSError) as e:
             self._refused.add(version)
-            self.log(f"[train] champion v{version} was moved outside the trainer but does not fit ({e}); keeping v{self.state['base_version']}")
+            self.log(
+                f"[train] champion v{version} was moved outside the trainer but does not fit ({e}); keeping v{self.state['base_version']}"
+            )
             return
         self.engine.module.drafter.load_state_dict(drafter.state_dict())  # in place: the optimizer keeps its params
         if head is not None:
@@ -403,10 +421,21 @@ class OnlineTrainer:
                 if j >= r - (cfg.gate.heldout_rounds if h else cfg.train.replay_rounds):
                     (held if h else train).append(s)
         created = [t.created_ns for t in trajs]
-        window = {"shards": names, "t_min_ns": min(created), "t_max_ns": max(created),
-                  "drafter_versions": sorted({t.drafter_version for t in trajs})}
-        info = {"round": r, "rows": len(trajs), "train": len(train), "heldout": len(held),
-                "train_new": new_train, "heldout_new": new_held, "verify_rounds": sum(len(t.rounds) for t in trajs)}
+        window = {
+            "shards": names,
+            "t_min_ns": min(created),
+            "t_max_ns": max(created),
+            "drafter_versions": sorted({t.drafter_version for t in trajs}),
+        }
+        info = {
+            "round": r,
+            "rows": len(trajs),
+            "train": len(train),
+            "heldout": len(held),
+            "train_new": new_train,
+            "heldout_new": new_held,
+            "verify_rounds": sum(len(t.rounds) for t in trajs),
+        }
         run_id = self._begin_run(info, window) if self.rank == 0 else None
         supervise(self.target.model, train + held, cfg.train.eval_seqs)
         before = self._eval(held)
@@ -417,10 +446,20 @@ class OnlineTrainer:
         if not train:
             promote, reason = False, "no trainable trajectories in the round"
         keep = promote or cfg.gate.on_reject == "continue"
-        summary = {**info, "seconds": round(time.perf_counter() - t0, 1), "tau_before": before["tau"], "tau_after": after["tau"],
-                   "loss_first": steps[0]["loss"] if steps else None, "loss_last": steps[-1]["loss"] if steps else None,
-                   "head_mae_before": before["head_mae"], "head_mae_after": after["head_mae"], "head_refit": refit,
-                   "promote": promote, "reason": reason, "kept": keep}
+        summary = {
+            **info,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "tau_before": before["tau"],
+            "tau_after": after["tau"],
+            "loss_first": steps[0]["loss"] if steps else None,
+            "loss_last": steps[-1]["loss"] if steps else None,
+            "head_mae_before": before["head_mae"],
+            "head_mae_after": after["head_mae"],
+            "head_refit": refit,
+            "promote": promote,
+            "reason": reason,
+            "kept": keep,
+        }
         export = self.ckpt / "exports" / f"round{r}"
         if self.rank == 0:
             self._log_eval(run_id, before, after, steps, train, refit)
@@ -432,11 +471,26 @@ class OnlineTrainer:
             tag = self.state["weights_tag"]
             self._load_weights(tag)
         self._barrier()
-        self.state.update(round=r, weights_tag=tag, inflight_run=None, pending={
-            "round": r, "shards": names, "run_id": run_id, "export": str(export), "summary": summary,
-            "tags": {"round": str(r), "parent_version": str(self.state["base_version"]), "loss": cfg.loss.kind,
-                     "data_window": f"{names[0]}..{names[-1]} ({len(names)} shards)",
-                     "tau_before": f"{before['tau']:.4f}", "tau_after": f"{after['tau']:.4f}"}})
+        self.state.update(
+            round=r,
+            weights_tag=tag,
+            inflight_run=None,
+            pending={
+                "round": r,
+                "shards": names,
+                "run_id": run_id,
+                "export": str(export),
+                "summary": summary,
+                "tags": {
+                    "round": str(r),
+                    "parent_version": str(self.state["base_version"]),
+                    "loss": cfg.loss.kind,
+                    "data_window": f"{names[0]}..{names[-1]} ({len(names)} shards)",
+                    "tau_before": f"{before['tau']:.4f}",
+                    "tau_after": f"{after['tau']:.4f}",
+                },
+            },
+        )
         if self.rank == 0:
             self.memory.save(r, tables)  # before state.json: a restart never reads a later round's file
             _write_json_atomic(self.state_path, self.state)  # durable: these weights include these shards
@@ -495,21 +549,27 @@ class OnlineTrainer:
         cfg = self.cfg
         exp = self.client.get_experiment_by_name(cfg.mlflow.experiment)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.mlflow.experiment)
-        run = self.client.create_run(exp_id, run_name=f"round-{info['round']}",
-                                     tags={"adaflash.round": str(info["round"]), "adaflash.loss": cfg.loss.kind})
+        run = self.client.create_run(
+            exp_id, run_name=f"round-{info['round']}", tags={"adaflash.round": str(info["round"]), "adaflash.loss": cfg.loss.kind}
+        )
         rid = run.info.run_id
         self.state["inflight_run"] = rid
         _write_json_atomic(self.state_path, self.state)
         from mlflow.entities import Param
 
-        params = {**{f"loss.{k}": v for k, v in to_dict(cfg.loss).items()},
-                  **{f"train.{k}": v for k, v in to_dict(cfg.train).items()},
-                  "deepspeed.zero_stage": cfg.deepspeed.zero_stage, "world_size": self.world,
-                  "min_new_rounds": cfg.buffer.min_new_rounds,
-                  "heldout_frac": cfg.buffer.heldout_frac, "parent_version": self.state["base_version"], **info,
-                  "data_window": f"{window['shards'][0]}..{window['shards'][-1]} ({len(window['shards'])} shards)",
-                  "data_time_range": f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(window['t_min_ns'] / 1e9))}.."
-                                     f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(window['t_max_ns'] / 1e9))}"}
+        params = {
+            **{f"loss.{k}": v for k, v in to_dict(cfg.loss).items()},
+            **{f"train.{k}": v for k, v in to_dict(cfg.train).items()},
+            "deepspeed.zero_stage": cfg.deepspeed.zero_stage,
+            "world_size": self.world,
+            "min_new_rounds": cfg.buffer.min_new_rounds,
+            "heldout_frac": cfg.buffer.heldout_frac,
+            "parent_version": self.state["base_version"],
+            **info,
+            "data_window": f"{window['shards'][0]}..{window['shards'][-1]} ({len(window['shards'])} shards)",
+            "data_time_range": f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(window['t_min_ns'] / 1e9))}.."
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(window['t_max_ns'] / 1e9))}",
+        }
         self.client.log_batch(rid, params=[Param(k, str(v)) for k, v in params.items()])
         self.client.log_dict(rid, window, "data_window.json")
         return rid
@@ -564,9 +624,11 @@ class OnlineTrainer:
         verdict = f"promoted v{version}" if s["promote"] else f"rejected v{version} ({s['reason']})"
         loss = f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}" if s["loss_first"] is not None else "no steps"
         past = f", +{s['train'] - s['train_new']} / +{s['heldout'] - s['heldout_new']} kept from earlier rounds" if "train_new" in s else ""
-        self.log(f"[train] round {p['round']}: {s['rows']} rows ({s['train']} train / {s['heldout']} held-out{past}, "
-                 f"{s['verify_rounds']} verify rounds), {loss}, held-out tau {s['tau_before']:.3f} -> {s['tau_after']:.3f}, "
-                 f"{verdict}, {s['seconds']}s")
+        self.log(
+            f"[train] round {p['round']}: {s['rows']} rows ({s['train']} train / {s['heldout']} held-out{past}, "
+            f"{s['verify_rounds']} verify rounds), {loss}, held-out tau {s['tau_before']:.3f} -> {s['tau_after']:.3f}, "
+            f"{verdict}, {s['seconds']}s"
+        )
 
     def _append_history(self, rec: dict) -> None:
         path = self.ckpt / "rounds.jsonl"

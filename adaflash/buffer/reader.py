@@ -173,9 +173,7 @@ class ShardReader:
             self._quarantine(name, problem)
             return None
         try:
-            table = pq.read_table(
-                path, schema=TRAJECTORY_SCHEMA, page_checksum_verification=True
-            )
+            table = pq.read_table(path, schema=TRAJECTORY_SCHEMA, page_checksum_verification=True)
         except FileNotFoundError:
             return None
         except Exception as e:  # corrupt data pages
@@ -278,9 +276,7 @@ class ShardReader:
             if policy == "compact":
                 archive, names = self._compact(names)
             else:
-                self._append_ledger(
-                    [{"op": "delete", "shard": n, "t_ns": time.time_ns()} for n in names]
-                )
+                self._append_ledger([{"op": "delete", "shard": n, "t_ns": time.time_ns()} for n in names])
             for n in names:
                 self._remove_consumed(n)
             fsync_dir(self.root)
@@ -342,8 +338,7 @@ class ShardReader:
             sources = [s for s in sources if s in self._consumed]
             logger.warning("recovering interrupted compaction %s (%d sources)", name, len(sources))
             self._append_ledger(
-                [{"op": "compact", "file": name, "sources": sources, "rows": rows,
-                  "t_ns": time.time_ns(), "recovered": True}]
+                [{"op": "compact", "file": name, "sources": sources, "rows": rows, "t_ns": time.time_ns(), "recovered": True}]
             )
             for s in sources:
                 self._remove_consumed(s)
@@ -367,11 +362,7 @@ class ShardReader:
                     unreadable += 1
             quarantined = 0
             if self.quarantine_dir.is_dir():
-                quarantined = sum(
-                    1
-                    for n in os.listdir(self.quarantine_dir)
-                    if not is_hidden(n) and not n.endswith(".reason.txt")
-                )
+                quarantined = sum(1 for n in os.listdir(self.quarantine_dir) if not is_hidden(n) and not n.endswith(".reason.txt"))
             return {
                 "pending_shards": pending,
                 "pending_rows": pending_rows,

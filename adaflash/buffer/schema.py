@@ -169,9 +169,7 @@ class Trajectory:
             "prompt_ids": _int_list(self.prompt_ids, "prompt_ids"),
             "output_ids": _int_list(self.output_ids, "output_ids"),
             "created_ns": _int_range(self.created_ns, -(2**63), 2**63 - 1, "created_ns"),
-            "rounds": [
-                (r if isinstance(r, Round) else Round(**r)).to_dict() for r in (self.rounds or [])
-            ],
+            "rounds": [(r if isinstance(r, Round) else Round(**r)).to_dict() for r in (self.rounds or [])],
         }
 
     @classmethod
@@ -206,10 +204,7 @@ def schema_problem(schema: pa.Schema) -> str | None:
     if version is None:
         return "foreign schema: no adaflash.schema_version in the schema metadata"
     if version.decode(errors="replace") != SCHEMA_VERSION:
-        return (
-            f"incompatible schema version {version.decode(errors='replace')!r} "
-            f"(this reader understands {SCHEMA_VERSION!r})"
-        )
+        return f"incompatible schema version {version.decode(errors='replace')!r} (this reader understands {SCHEMA_VERSION!r})"
     if not schema.equals(TRAJECTORY_SCHEMA, check_metadata=False):
         return f"incompatible schema (version {SCHEMA_VERSION} but fields differ): {schema}"
     return None

@@ -34,10 +34,7 @@ class ShardWriter:
         max_age_s: float | None = 60.0,
     ) -> None:
         if not isinstance(writer_id, str) or not WRITER_ID_RE.fullmatch(writer_id):
-            raise ValueError(
-                f"writer_id must match {WRITER_ID_RE.pattern} (no leading '.'/'_', no '/'): "
-                f"{writer_id!r}"
-            )
+            raise ValueError(f"writer_id must match {WRITER_ID_RE.pattern} (no leading '.'/'_', no '/'): {writer_id!r}")
         if rows_per_shard < 1:
             raise ValueError("rows_per_shard must be >= 1")
         self.root = Path(root)
@@ -114,11 +111,7 @@ class ShardWriter:
         return [name for t in trajs if (name := self.append(t)) is not None]
 
     def _is_stale(self) -> bool:
-        return (
-            self.max_age_s is not None
-            and self._oldest is not None
-            and time.monotonic() - self._oldest >= self.max_age_s
-        )
+        return self.max_age_s is not None and self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s
 
     def flush_if_due(self) -> str | None:
         """Flush if the oldest buffered row is older than ``max_age_s``."""

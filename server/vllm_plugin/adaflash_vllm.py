@@ -9,8 +9,8 @@ vLLM's GPU workers have a draft weight update of their own; its CPU worker does 
 repacks every linear weight into a oneDNN handle and frees the plain weight after loading. So this
 sets each drafter weight from the DFlash directory (q/k/v and gate/up stacked as vLLM fuses them),
 rebuilds the DFlash context-KV buffers, then lets each linear layer's own quant method repack it.
-On a GPU each weight is copied in place instead, so captured graphs keep pointing at live memory. Run vLLM-CPU with --enforce-eager: a torch.compile'd
-graph may keep the old oneDNN handles.
+On a GPU each weight is copied in place instead, so captured graphs keep pointing at live memory.
+Run vLLM-CPU with --enforce-eager: a torch.compile'd graph may keep the old oneDNN handles.
 """
 
 from __future__ import annotations
