@@ -7,6 +7,7 @@ rows with vLLM's exact per-step acceptance, and hot-swaps registry versions into
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -69,7 +70,7 @@ def test_stock_vllm_runs_the_export_losslessly_with_the_same_acceptance(target, 
         capture_output=True,
         text=True,
         timeout=900,
-        env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin", "VLLM_CPU_KVCACHE_SPACE": "2"},
+        env={**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
