@@ -129,6 +129,7 @@ def read_dflash(path: str | Path, embed_weight: torch.Tensor, identity: dict):
     from safetensors.torch import load_file
 
     from adaflash.drafter import DrafterConfig
+    from adaflash.target import plain_rope_theta
 
     path = Path(path)
     meta = json.loads((path / "config.json").read_text())
@@ -148,9 +149,6 @@ def read_dflash(path: str | Path, embed_weight: torch.Tensor, identity: dict):
     if isinstance(meta.get("adaflash"), dict):  # an AdaFlash export: its own config, exactly
         config = DrafterConfig(**{k: v for k, v in meta["adaflash"].items() if k in names})
     else:
-        rope = meta.get("rope_parameters") or meta.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ValueError(f"{path}: RoPE scaling {rope} is not supported")
         heads = meta["num_attention_heads"]
         config = DrafterConfig(
             hidden_size=meta["hidden_size"],
@@ -161,7 +159,7 @@ def read_dflash(path: str | Path, embed_weight: torch.Tensor, identity: dict):
             head_dim=meta.get("head_dim") or meta["hidden_size"] // heads,
             target_layer_ids=list(dcfg.get("target_layer_ids") or meta.get("target_layer_ids") or []),
             block_size=int(dcfg.get("block_size") or meta.get("block_size") or 16),
-            rope_theta=float(rope.get("rope_theta", meta.get("rope_theta", 10000.0))),
+            rope_theta=plain_rope_theta(meta),
             rms_norm_eps=float(meta.get("rms_norm_eps", 1e-6)),
             qk_norm="layers.0.self_attn.q_norm.weight" in state,
             target=dict(identity),

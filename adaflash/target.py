@@ -42,10 +42,6 @@ class TargetConfig:
         arch = (cfg.get("architectures") or [by_type.get(cfg.get("model_type"), "LlamaForCausalLM")])[0]
         if arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
             raise ValueError(f"unsupported target architecture {arch!r}: expected a Llama/Qwen3-style decoder")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 5 / 4 spelling
-        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ValueError(f"RoPE scaling {rope} is not supported; use a checkpoint with plain RoPE")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         eos = cfg.get("eos_token_id")
         heads = cfg["num_attention_heads"]
         return cls(
@@ -56,13 +52,22 @@ class TargetConfig:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=float(theta),
+            rope_theta=plain_rope_theta(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
+
+
+def plain_rope_theta(cfg: dict) -> float:
+    """RoPE base of an HF config.json (transformers 5 or 4 spelling); refuses scaled RoPE, which the
+    layers here do not compute."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+        raise ValueError(f"RoPE scaling {rope} is not supported; use a checkpoint with plain RoPE")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
 def default_feature_layers(num_layers: int, n: int = 5) -> list[int]:
