@@ -19,8 +19,11 @@ import torch
 
 
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[..., V] logits -> [..., V] fp32 probabilities at `temperature` (> 0)."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
+    """[..., V] logits -> [..., V] fp32 probabilities at `temperature` (> 0). The max is subtracted before
+    dividing, so a tiny temperature gives the one-hot limit instead of inf / inf = NaN (found by the API fuzzer)."""
+    x = logits.float()
+    t = max(float(temperature), 1e-30)  # a float64 temperature below fp32's range would divide by 0
+    return torch.softmax((x - x.amax(-1, keepdim=True)) / t, dim=-1)
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -167,3 +167,14 @@ def test_graft_reuses_shared_nodes():
     assert t.tolist() == tokens.tolist() and p.tolist() == parents.tolist()
     path, nxt = verify_tree_greedy(*graft(tokens, parents, [1, 3, 5, 6]), onehot_logits([1, 3, 0, 5, 6, 7])[0])
     assert (path, nxt) == ([1, 3, 4, 5], 7)  # the grafted continuation is accepted through the shared nodes
+
+
+def test_probs_at_a_vanishing_temperature_is_the_one_hot_limit():
+    """The API accepts any temperature in (0, 2]: a tiny one must not turn into NaN probabilities."""
+    from adaflash.spec import probs
+
+    logits = torch.tensor([[1.0, 3.0, -2.0], [0.5, 0.4, 0.6]])
+    for t in (1e-5, 1e-30, 5e-324):
+        p = probs(logits, t)
+        assert not p.isnan().any() and torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 3).float())
+    torch.testing.assert_close(probs(logits, 0.7), torch.softmax(logits / 0.7, -1))
