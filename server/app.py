@@ -85,6 +85,7 @@ class ServerState:
         self.load_error: str | None = None
         self.target = self.runner = self.swapper = self.limits = None
         self.backend_server = None  # the vLLM child server with backend vllm
+        self.guard = None  # LiveGuard: live tau per version and automatic rollback (with a registry)
         self.started = time.time()
         self.metrics = ServerMetrics(self)
         self._loader: threading.Thread | None = None
@@ -123,14 +124,22 @@ class ServerState:
         tr = cfg.trajectories
         writer = ShardWriter(tr.buffer_dir, tr.writer_id or default_writer_id(), tr.rows_per_shard, tr.max_age_s) if tr.enabled else None
         self.target = target
-        self.runner = EngineRunner(engine, writer, cfg.engine.max_queued, on_finish=self.metrics.observe)
+        self.runner = EngineRunner(engine, writer, cfg.engine.max_queued, on_finish=self._finished)
         self.runner.start()
         if cfg.registry.tracking_uri and engine.drafter is not None:
             from adaflash.registry import HotSwapper, Registry
 
             reg = cfg.registry
+            registry = Registry(reg.tracking_uri, reg.model_name, retries=reg.retries)
+            if reg.rollback:
+                from adaflash.server.guard import LiveGuard
+
+                node = writer.writer_id if writer is not None else default_writer_id()
+                self.guard = LiveGuard(
+                    registry, engine.version, reg.rollback_window, reg.rollback_z, reg.rollback_min_drop, node, reg.interval_s
+                ).start()
             self.swapper = HotSwapper(
-                Registry(reg.tracking_uri, reg.model_name, retries=reg.retries), engine, target, reg.cache_dir, reg.interval_s
+                registry, engine, target, reg.cache_dir, reg.interval_s, on_event=self.guard.on_event if self.guard else None
             ).start()
         self.ready = True
         log.info(
@@ -143,6 +152,12 @@ class ServerState:
             engine.k_blk,
             f"-> {tr.buffer_dir} as {writer.writer_id}" if writer else "off",
         )
+
+    def _finished(self, reason: str, stats: dict) -> None:
+        """Runner callback (engine thread) for every finished request."""
+        self.metrics.observe(reason, stats)
+        if self.guard is not None:
+            self.guard.observe(reason, stats)
 
     def start_loading(self, target=None, on_error=None) -> None:
         def run():
@@ -167,6 +182,8 @@ class ServerState:
             self._loader.join()
         if self.swapper is not None:
             self.swapper.stop(timeout=10)
+        if self.guard is not None:
+            self.guard.stop(timeout=10)
         if self.runner is not None:
             self.runner.close(timeout=30)
         if self.backend_server is not None:

@@ -82,8 +82,18 @@ class RegistrySection:
     interval_s: float = 30.0  # registry poll period
     retries: int = 5  # connection retries per registry call (backoff 0.5 s, doubling) before a poll counts as failed
 
+    # automatic rollback (server/guard.py): judge a newly promoted version on live traffic against the one it replaced
+    rollback: bool = True  # move champion back when the new version's live tau is clearly below its predecessor's
+    rollback_window: int = 20  # finished requests of each version the test compares
+    rollback_z: float = 3.0  # ... one-sided Welch statistic it needs (3: ~1 in 700 for equal versions)
+    rollback_min_drop: float = 0.05  # ... and at least this relative drop of mean tau
+
     def __post_init__(self):
-        _positive("registry", interval_s=self.interval_s)
+        _positive("registry", interval_s=self.interval_s, rollback_z=self.rollback_z)
+        if self.rollback_window < 2:
+            raise ValueError(f"registry.rollback_window must be >= 2 requests, got {self.rollback_window}")
+        if not 0 <= self.rollback_min_drop < 1:
+            raise ValueError(f"registry.rollback_min_drop must be in [0, 1), got {self.rollback_min_drop}")
         if self.retries < 0:
             raise ValueError(f"registry.retries must be >= 0, got {self.retries}")
 

@@ -54,6 +54,16 @@ class _Collector:
             ("adaflash_running_requests", "requests in the running batch", runner.running),
         ]:
             yield GaugeMetricFamily(name, doc, value=float("nan") if value is None else value)
+        guard = st.guard
+        if guard is not None:
+            tau = GaugeMetricFamily("adaflash_live_tau", "mean tau of recent finished requests, per drafter version", labels=["version"])
+            n = GaugeMetricFamily("adaflash_live_tau_requests", "requests behind adaflash_live_tau", labels=["version"])
+            for version, (mean, count) in sorted(guard.live().items()):
+                tau.add_metric([version], mean)
+                n.add_metric([version], count)
+            yield tau
+            yield n
+            yield CounterMetricFamily("adaflash_rollbacks", "versions this node rolled back on live tau", value=guard.rollbacks)
         yield InfoMetricFamily(
             "adaflash_drafter", "drafter serving new requests", value={"version": str(engine.version), "policy": engine.policy.name}
         )
