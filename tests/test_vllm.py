@@ -118,6 +118,7 @@ def served(target, mlflow_server, tmp_path_factory):
             "cache_dir": str(tmp / "cache"),
             "interval_s": 1.0,
             "retries": 2,
+            "rollback": False,  # these tests move champion themselves; the live guard has tests/test_guard.py
         },
         trajectories={"max_age_s": 1},
         vllm={"work_dir": str(tmp / "vllm"), "threads": 2},
