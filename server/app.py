@@ -61,7 +61,7 @@ def build_engine(cfg: ServeConfig, target):
     elif policy_name == "ar":
         policy = ARPolicy()
     else:
-        policy = FixedPolicy(int(policy_name[5:]) if policy_name[5:] else None)
+        policy = FixedPolicy(m.fixed_len)
     return Engine(
         target.model,
         drafter,

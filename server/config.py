@@ -33,6 +33,11 @@ class ModelSection:
         if self.policy not in POLICIES and not re.fullmatch(r"fixed[1-9][0-9]*", self.policy):
             raise ValueError(f"model.policy must be one of {', '.join(POLICIES)} or fixedK (e.g. fixed8), got {self.policy!r}")
 
+    @property
+    def fixed_len(self) -> int | None:
+        """K of policy fixedK (tokens verified per step); None for plain `fixed` and the other policies."""
+        return int(self.policy[5:]) if self.policy.startswith("fixed") and self.policy[5:] else None
+
 
 @dataclass
 class EngineSection:

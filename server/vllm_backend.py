@@ -38,9 +38,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from adaflash.buffer import Round as BufferRound
-from adaflash.buffer import Trajectory
-from adaflash.engine import DrafterSlot, Request, RequestState, Round
+from adaflash.engine import DrafterSlot, Engine, Request, RequestState, Round
 
 log = logging.getLogger("adaflash.server")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request and health poll otherwise
@@ -287,11 +285,7 @@ class VLLMEngine:
         self.stats["swaps"] += 1
         self.stats["last_swap_s"] = round(took, 3)
 
-    def trajectory(self, st: RequestState, writer_id: str) -> Trajectory:
-        rounds = [BufferRound(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns) for r in st.rounds]
-        return Trajectory(
-            st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds, domain=st.req.domain
-        )
+    trajectory = staticmethod(Engine.trajectory)  # the same row as the built-in engine's (every vLLM round is a drafter round)
 
     # ----------------------------------------------------------------- one request
 
@@ -390,7 +384,7 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
     m, e, v = cfg.model, cfg.engine, cfg.vllm
     python = vllm_python(v.python)
     drafter = None if m.policy == "ar" else load_drafter(m.drafter, target.model, target.identity, torch.float32)
-    k = int(m.policy[5:]) if m.policy.startswith("fixed") and m.policy[5:] else None
+    k = m.fixed_len
     num_spec = (k or (drafter.block_size if drafter is not None else 1)) - 1
     if drafter is not None and not 1 <= num_spec < drafter.block_size:
         raise ValueError(f"model.policy {m.policy}: the vLLM backend verifies 2..{drafter.block_size} tokens per step")
