@@ -31,6 +31,8 @@ COPY pipelines pipelines
 COPY kernels kernels
 COPY trainer trainer
 COPY server server
+COPY experiments experiments
+COPY cli cli
 COPY configs configs
 COPY models models
 COPY examples examples
@@ -68,6 +70,8 @@ COPY pipelines pipelines
 COPY kernels kernels
 COPY trainer trainer
 COPY server server
+COPY experiments experiments
+COPY cli cli
 COPY configs configs
 COPY models models
 COPY examples examples

@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     pass
 
 
+class UsageError(Exception):
+    """Bad input from the user (flags, files): the CLI prints it as one line and exits with code 2."""
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):

@@ -33,6 +33,8 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 DRAFT_VOCAB = "draft_vocab.safetensors"  # optional: {"ids": int64 [Vd]} sorted full-vocabulary ids
 
+DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "drafter-smollm2"  # the committed drafter
+
 
 @dataclass
 class DrafterConfig:

@@ -4,20 +4,17 @@ All functions are pure functions over tensors. Shapes use N = blocks (rows of a 
 positions per block, V = vocabulary size, R = flattened rows (N * K or the valid subset of them).
 
 The vocabulary softmax is always computed in fp32 (bf16 / fp16 inputs are upcast row-wise), and the
-target side never receives gradients. ``opd_row_terms`` is the single per-row computation that the
-fused Triton kernel in ``adaflash.kernels.opd`` replaces one-for-one.
+target side never receives gradients. The per-row OPD terms come from ``adaflash.kernels.opd``:
+``opd_row_terms`` (plain PyTorch, the reference) or the fused Triton kernel that replaces it one-for-one.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-CLIP_MODES = ("vocab", "token")
-BACKENDS = ("auto", "torch", "triton")
+from adaflash.kernels.opd import BACKENDS, check_clip, opd_row_terms, opd_terms, upcast
 
 
 def position_weights(block_len: int, gamma: float = 7.0, device=None) -> Tensor:
@@ -28,56 +25,6 @@ def position_weights(block_len: int, gamma: float = 7.0, device=None) -> Tensor:
         raise ValueError(f"gamma must be > 0, got {gamma}")
     k = torch.arange(block_len, dtype=torch.float32, device=device)  # k-1 = 0..K-1
     return torch.exp(-k / gamma)
-
-
-def _upcast(x: Tensor) -> Tensor:
-    """fp16/bf16 -> fp32 for the vocabulary softmax; fp32/fp64 are kept as they are."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
-def _check_clip(clip: float | None, clip_mode: str) -> None:
-    if clip_mode not in CLIP_MODES:
-        raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
-    if clip is not None and not math.isfinite(float(clip)):
-        raise ValueError(f"clip must be a finite float or None, got {clip}")
-
-
-def opd_row_terms(
-    draft_logits: Tensor,  # [R, V], any float dtype, requires grad
-    target_logits: Tensor,  # [R, V], any float dtype, detached here
-    temperature: float = 1.0,
-    clip: float | None = 1.0,
-    clip_mode: str = "vocab",
-) -> tuple[Tensor, Tensor]:
-    """Per-row OPD terms in plain PyTorch.  -> (hard [R] fp32, rkl [R] fp32).
-
-    Computed in fp32 (fp64 inputs stay fp64).
-    hard: cross-entropy (temperature 1) of the draft against the target's argmax token.
-    rkl:  sum_v p_d(v) (log p_d(v) - log p_t(v)) with p = softmax(logits / temperature);
-          clip_mode "vocab" clamps every vocabulary term to <= clip before the sum,
-          "token" clamps the row sum; clip=None disables clipping.
-    """
-    _check_clip(clip, clip_mode)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    zd = _upcast(draft_logits)  # [R, V]
-    zt = _upcast(target_logits.detach())  # [R, V]
-
-    top1 = zt.argmax(dim=-1, keepdim=True)  # [R, 1]; first index on ties
-    hard = torch.logsumexp(zd, dim=-1) - zd.gather(-1, top1).squeeze(-1)  # [R]
-
-    if temperature != 1.0:
-        zd = zd / temperature
-        zt = zt / temperature
-    logp_d = F.log_softmax(zd, dim=-1)  # [R, V]
-    logp_t = F.log_softmax(zt, dim=-1)  # [R, V]
-    terms = logp_d.exp() * (logp_d - logp_t)  # [R, V]
-    if clip is not None and clip_mode == "vocab":
-        terms = terms.clamp(max=clip)
-    rkl = terms.sum(dim=-1)  # [R]
-    if clip is not None and clip_mode == "token":
-        rkl = rkl.clamp(max=clip)
-    return hard, rkl
 
 
 def _flatten_valid(draft_logits: Tensor, target_logits: Tensor, valid: Tensor | None, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,13 +76,11 @@ def opd_loss(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    _check_clip(clip, clip_mode)
+    check_clip(clip, clip_mode)
     d, t, w = _flatten_valid(draft_logits, target_logits, valid, gamma)  # [R, V], [R, V], [R]
     if backend == "torch":
         hard_r, rkl_r = opd_row_terms(d, t, temperature, clip, clip_mode)
     else:
-        from adaflash.kernels.opd import opd_terms  # lazy: keeps triton out of plain imports
-
         hard_r, rkl_r = opd_terms(d, t, temperature, clip, clip_mode, backend=backend)
     hard = _weighted_mean(hard_r, w, draft_logits)
     rkl = _weighted_mean(rkl_r, w, draft_logits)
@@ -157,8 +102,8 @@ def osd_loss(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     d, t, w = _flatten_valid(draft_logits, target_logits, valid, gamma)
-    logp_d = F.log_softmax(_upcast(d) / temperature, dim=-1)  # [R, V]
-    logp_t = F.log_softmax(_upcast(t.detach()) / temperature, dim=-1)  # [R, V]
+    logp_d = F.log_softmax(upcast(d) / temperature, dim=-1)  # [R, V]
+    logp_t = F.log_softmax(upcast(t.detach()) / temperature, dim=-1)  # [R, V]
     fkl_r = (logp_t.exp() * (logp_t - logp_d)).sum(dim=-1)  # [R]
     fkl = _weighted_mean(fkl_r, w, draft_logits)
     return {"loss": fkl, "fkl": fkl.detach()}

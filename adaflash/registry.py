@@ -1,16 +1,14 @@
-"""Drafter versions in the MLflow model registry, and hot-swapping the serving drafter from it.
+"""Drafter versions in the MLflow model registry: the client that serving and training share.
 
-- `start_mlflow_server` / `wait_ready` / `stop_mlflow_server`: a real `mlflow server` (SQLite store and
-  local artifacts by default; Postgres / S3 by URI) that proxies artifacts, so clients share no disk.
+The tracking server itself is started by `adaflash.pipelines.mlflow_server` (or by compose); the
+serving side's poller that hot-swaps from the registry is `adaflash.server.swap.HotSwapper`.
+
 - `Registry`: register a drafter directory as a model version (files logged under `drafter/` of an
   MLflow run, version created from `runs:/<run>/drafter`), read / move the `champion` alias, list
   versions, download a version (safetensors + JSON only, cached per version). Every call retries
   connection failures with exponential backoff, then raises `RegistryUnavailable`.
 - `bootstrap`: the first drafter becomes version 1 and champion; later calls return the champion.
-- `HotSwapper`: a daemon thread that polls the champion alias and swaps the engine's drafter when it
-  moves (moving it back to an older version is a rollback). A version that does not fit the target
-  (other target, wrong shapes, non-finite weights) is refused once and remembered; the old drafter
-  keeps serving, as it does while the registry is down.
+- `load_version`: a downloaded version's drafter and length head, checked against the target.
 """
 
 from __future__ import annotations
@@ -19,12 +17,8 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -35,114 +29,6 @@ EXPERIMENT = "adaflash"
 ARTIFACT_PATH = "drafter"
 DOWNLOAD_SUFFIXES = (".safetensors", ".json")  # what a server ever loads: no pickles
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt")  # never registered
-
-
-# ----------------------------------------------------------------------------- the tracking server
-def default_store_uri() -> str:
-    """MLFLOW_BACKEND_STORE_URI (e.g. postgresql://...) or SQLite under runs/mlflow/ of the cwd."""
-    return os.environ.get("MLFLOW_BACKEND_STORE_URI") or f"sqlite:///{Path('runs/mlflow/mlflow.db').resolve()}"
-
-
-def default_artifacts_destination() -> str:
-    """MLFLOW_ARTIFACTS_DESTINATION (e.g. s3://bucket/prefix) or runs/mlflow/artifacts of the cwd."""
-    return os.environ.get("MLFLOW_ARTIFACTS_DESTINATION") or str(Path("runs/mlflow/artifacts").resolve())
-
-
-def _mlflow_cli() -> list[str]:
-    """The mlflow CLI of this interpreter's environment (the venv's), not whatever is on PATH."""
-    script = Path(sys.executable).parent / "mlflow"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "mlflow"]
-
-
-def start_mlflow_server(
-    host: str = "127.0.0.1",
-    port: int = 5000,
-    store_uri: str | None = None,
-    artifacts_dir: str | None = None,
-    log_path: str | Path | None = None,
-    workers: int = 1,
-    allowed_hosts: str | None = None,
-) -> subprocess.Popen:
-    """Start `mlflow server` serving artifacts itself (--serve-artifacts: clients upload/download through
-    it). It runs in its own process group, so `stop_mlflow_server` ends its uvicorn workers too.
-    log_path: server output goes there (None: inherit this process's stdout/stderr)."""
-    store_uri = store_uri or default_store_uri()
-    artifacts_dir = artifacts_dir or default_artifacts_destination()
-    if store_uri.startswith("sqlite:///"):
-        Path(store_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    if "://" not in artifacts_dir:
-        Path(artifacts_dir).mkdir(parents=True, exist_ok=True)
-    cmd = _mlflow_cli() + [
-        "server",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-        "--backend-store-uri",
-        store_uri,
-        "--serve-artifacts",
-        "--artifacts-destination",
-        artifacts_dir,
-    ]
-    if allowed_hosts:
-        cmd += ["--allowed-hosts", allowed_hosts]
-    env = dict(os.environ)
-    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # GenAI job runners: not used, 5 processes less
-    out = open(log_path, "ab") if log_path else None
-    try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, start_new_session=True)
-    finally:
-        if out:
-            out.close()
-    log.info("mlflow server starting (pid %d): store %s, artifacts %s", proc.pid, store_uri, artifacts_dir)
-    return proc
-
-
-def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll `<url>/health` until it answers 200; raises TimeoutError (or RuntimeError if `proc` exits)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"mlflow server exited with code {proc.returncode} before it was ready (see its log)")
-        try:
-            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"mlflow server at {url} not ready after {timeout:.0f} s (see its log)")
-
-
-def stop_mlflow_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGTERM the server's whole process group (mlflow + its uvicorn workers); SIGKILL what is left
-    after `timeout`. Returns once every process of the group is gone."""
-
-    def group_alive() -> bool:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    if not group_alive():
-        proc.poll()
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        proc.poll()  # reap the leader, or the group stays alive as a zombie
-        if not group_alive():
-            return
-        time.sleep(0.1)
-    log.warning("mlflow server (pid %d) ignored SIGTERM for %.0f s: killing it", proc.pid, timeout)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 # ----------------------------------------------------------------------------- the registry client
@@ -379,106 +265,6 @@ def bootstrap(registry: Registry, drafter_dir: str | Path) -> str:
         log.warning("%s has versions but no `%s` alias: pointing it at the first version %s", registry.model_name, CHAMPION, champion)
         registry.set_champion(champion)
     return champion
-
-
-# ----------------------------------------------------------------------------- hot-swapping
-class HotSwapper:
-    """Daemon thread: polls `champion`; on change downloads, loads and checks the version, then
-    `engine.swap(drafter, head, version)`. Refused versions are remembered and not retried.
-    on_event(dict) is called with {"event": "swap" | "refused" | "poll_error", "version", "detail"}."""
-
-    def __init__(
-        self,
-        registry: Registry,
-        engine,
-        target,
-        cache_dir: str | Path,
-        interval_s: float = 5.0,
-        on_event: Callable[[dict], None] | None = None,
-        max_backoff_s: float = 60.0,
-    ):
-        self.registry, self.engine, self.target = registry, engine, target
-        self.cache_dir, self.interval_s, self.max_backoff_s = Path(cache_dir), interval_s, max_backoff_s
-        self.on_event = on_event
-        self.version = str(engine.version)  # the version serving (staged in the engine)
-        self.swaps = self.refused = self.poll_errors = 0
-        self.refused_versions: dict[str, str] = {}  # version -> reason
-        self._errors_in_row = 0
-        self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="adaflash-hotswap", daemon=True)
-
-    def start(self) -> "HotSwapper":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float | None = None) -> None:
-        self._halt.set()
-        self._thread.join(timeout)
-
-    def metrics(self) -> dict:
-        return {"swaps": self.swaps, "refused": self.refused, "poll_errors": self.poll_errors, "version": self.version}
-
-    def _emit(self, event: str, version: str | None, detail: str = "") -> None:
-        if self.on_event is not None:
-            try:
-                self.on_event({"event": event, "version": version, "detail": detail})
-            except Exception:
-                log.exception("hot-swap on_event callback failed")
-
-    def _loop(self) -> None:
-        delay = 0.0
-        while not self._halt.wait(delay):
-            delay = self.poll()
-
-    def poll(self) -> float:
-        """One poll; -> seconds until the next (longer while the registry is down)."""
-        try:
-            version = self.registry.champion()
-        except Exception as e:
-            return self._poll_error(e)
-        self._errors_in_row = 0
-        if version is None or version == self.version or version in self.refused_versions:
-            return self.interval_s
-        try:
-            path = self.registry.download(version, self.cache_dir)
-            drafter, head = self._load(path)
-            self.engine.swap(drafter, head, version)
-        except Exception as e:
-            if isinstance(e, RegistryUnavailable) or _transient(e):
-                return self._poll_error(e)
-            return self._refuse(version, e)
-        log.info("hot-swap: version %s -> %s (live from the next engine step)", self.version, version)
-        self.version = version
-        self.swaps += 1
-        self._emit("swap", version)
-        return self.interval_s
-
-    def _poll_error(self, e: Exception) -> float:
-        self.poll_errors += 1
-        self._errors_in_row += 1
-        delay = min(self.max_backoff_s, self.interval_s * 2**self._errors_in_row)
-        log.warning(
-            "hot-swap: registry poll failed (%s: %s); version %s keeps serving, next poll in %.1f s",
-            type(e).__name__,
-            e,
-            self.version,
-            delay,
-        )
-        self._emit("poll_error", None, str(e))
-        return delay
-
-    def _refuse(self, version: str, e: Exception) -> float:
-        self.refused += 1
-        reason = f"{type(e).__name__}: {e}"
-        self.refused_versions[version] = reason
-        log.error("hot-swap: refused version %s (%s); version %s keeps serving", version, reason, self.version)
-        self._emit("refused", version, reason)
-        return self.interval_s
-
-    def _load(self, path: Path):
-        current = self.engine.drafter
-        dtype = current.fc.weight.dtype if current is not None else None  # same dtype as the one serving
-        return load_version(path, self.target, dtype)
 
 
 def load_version(path: str | Path, target, dtype=None):

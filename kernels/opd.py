@@ -1,6 +1,6 @@
 """Fused OPD per-row terms: a Triton kernel over vocabulary chunks, with a PyTorch fallback.
 
-``fused_opd_terms`` is a drop-in replacement for ``adaflash.losses.opd_row_terms``: it returns the
+``fused_opd_terms`` is a drop-in replacement for ``opd_row_terms`` (plain PyTorch, here too): it returns the
 per-row hard CE and (clipped) reverse KL, with gradients to the draft logits, without ever
 materialising a [rows x V] probability tensor (forward: two streaming passes over V; backward: one
 pass that recomputes the probabilities chunk by chunk from five saved scalars per row).
@@ -14,14 +14,66 @@ interpreter reads it at launch too). Inputs on the CPU are upcast to fp32 (no bf
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from adaflash.losses import BACKENDS, _check_clip, opd_row_terms
-
+CLIP_MODES = ("vocab", "token")
+BACKENDS = ("auto", "torch", "triton")
 DEFAULT_BLOCK_V = 2048  # vocabulary chunk per loop iteration (power of two)
+
+
+def upcast(x: Tensor) -> Tensor:
+    """fp16/bf16 -> fp32 for the vocabulary softmax; fp32/fp64 are kept as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def check_clip(clip: float | None, clip_mode: str) -> None:
+    if clip_mode not in CLIP_MODES:
+        raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
+    if clip is not None and not math.isfinite(float(clip)):
+        raise ValueError(f"clip must be a finite float or None, got {clip}")
+
+
+def opd_row_terms(
+    draft_logits: Tensor,  # [R, V], any float dtype, requires grad
+    target_logits: Tensor,  # [R, V], any float dtype, detached here
+    temperature: float = 1.0,
+    clip: float | None = 1.0,
+    clip_mode: str = "vocab",
+) -> tuple[Tensor, Tensor]:
+    """Per-row OPD terms in plain PyTorch.  -> (hard [R] fp32, rkl [R] fp32).
+
+    Computed in fp32 (fp64 inputs stay fp64).
+    hard: cross-entropy (temperature 1) of the draft against the target's argmax token.
+    rkl:  sum_v p_d(v) (log p_d(v) - log p_t(v)) with p = softmax(logits / temperature);
+          clip_mode "vocab" clamps every vocabulary term to <= clip before the sum,
+          "token" clamps the row sum; clip=None disables clipping.
+    """
+    check_clip(clip, clip_mode)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    zd = upcast(draft_logits)  # [R, V]
+    zt = upcast(target_logits.detach())  # [R, V]
+
+    top1 = zt.argmax(dim=-1, keepdim=True)  # [R, 1]; first index on ties
+    hard = torch.logsumexp(zd, dim=-1) - zd.gather(-1, top1).squeeze(-1)  # [R]
+
+    if temperature != 1.0:
+        zd = zd / temperature
+        zt = zt / temperature
+    logp_d = F.log_softmax(zd, dim=-1)  # [R, V]
+    logp_t = F.log_softmax(zt, dim=-1)  # [R, V]
+    terms = logp_d.exp() * (logp_d - logp_t)  # [R, V]
+    if clip is not None and clip_mode == "vocab":
+        terms = terms.clamp(max=clip)
+    rkl = terms.sum(dim=-1)  # [R]
+    if clip is not None and clip_mode == "token":
+        rkl = rkl.clamp(max=clip)
+    return hard, rkl
 
 
 def _next_pow2(n: int) -> int:
@@ -148,7 +200,7 @@ def fused_opd_terms(
 
     block_v: vocabulary chunk size (power of two); default min(2048, next_pow2(V)).
     """
-    _check_clip(clip, clip_mode)
+    check_clip(clip, clip_mode)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if draft_logits.dim() != 2 or draft_logits.shape != target_logits.shape:

@@ -129,7 +129,7 @@ def plot(report: dict, out: Path) -> Path:
 
 
 def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    from adaflash.cli import UsageError
+    from adaflash.config import UsageError
     from adaflash.drafter import CONFIG
 
     drafter_dir = Path(args.drafter)
@@ -153,7 +153,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from adaflash.cli import DEFAULT_DRAFTER
+    from adaflash.drafter import DEFAULT_DRAFTER
 
     p = sub.add_parser(
         "draft-vocab",

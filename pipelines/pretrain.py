@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from adaflash.config import to_dict
+from adaflash.distributed import from_rank0, init_distributed
 from adaflash.drafter import Drafter, DrafterConfig
 from adaflash.target import Target, load_target
 
@@ -242,24 +242,6 @@ def dflash_loss(drafter: Drafter, batch: dict, gamma: float, metrics: bool = Tru
 # --------------------------------------------------------------------------- deepspeed
 
 
-def init_distributed() -> None:
-    """Single-process DeepSpeed on CPU (gloo) unless a launcher already set the rank variables.
-    A single process rendezvouses through a file, not a TCP port another process could grab first."""
-    init_method = None
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="adaflash-dist-"), "store")
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if init_method is None:
-        deepspeed.init_distributed(dist_backend=backend)
-    else:
-        deepspeed.init_distributed(dist_backend=backend, init_method=init_method, rank=0, world_size=1)
-
-
 def ds_config(tc: TrainSection) -> dict:
     return {
         "train_micro_batch_size_per_gpu": tc.seqs_per_step,
@@ -313,16 +295,6 @@ def rank_batch(order: list[int], idx: int, per_rank: int, rank: int, world: int)
     entries of the epoch order) split by rank, so every rank trains on different sequences."""
     start = (idx * world + rank) * per_rank
     return order[start : start + per_rank]
-
-
-def from_rank0(obj):
-    """Rank 0's value of `obj` on every rank (a decision one rank took alone, such as a time-limit
-    stop, would leave the others waiting in the next collective)."""
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:

@@ -40,6 +40,8 @@ from typing import Callable, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from adaflash.config import UsageError
+
 DOMAINS: tuple[str, ...] = ("gsm8k", "aime", "humaneval", "code")
 """Domains that are always available (their packages are project dependencies)."""
 
@@ -397,3 +399,33 @@ def read_prompts(path: Path, domains: list[str] | None = None, limit_per_domain:
             )
         )
     return out
+
+
+def read_prompts_file(path: Path) -> list[dict]:
+    """JSONL, one object per line: {"prompt": str} or {"messages": [...]}, optional "domain"."""
+    if not path.exists():
+        raise UsageError(f"prompts file {path} does not exist")
+    items = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
+            raise UsageError(f'{path}:{n}: each line needs exactly one of "prompt" (string) or "messages" (list)')
+        if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
+            raise UsageError(f'{path}:{n}: "prompt" must be a non-empty string')
+        if "messages" in obj:
+            msgs = obj["messages"]
+            if not (
+                isinstance(msgs, list)
+                and msgs
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
+            ):
+                raise UsageError(f'{path}:{n}: "messages" must be a non-empty list of {{role, content}} strings')
+        items.append({"messages": obj.get("messages") or obj["prompt"], "domain": obj.get("domain")})
+    if not items:
+        raise UsageError(f"prompts file {path} holds no prompts")
+    return items

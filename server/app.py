@@ -127,7 +127,9 @@ class ServerState:
         self.runner = EngineRunner(engine, writer, cfg.engine.max_queued, on_finish=self._finished)
         self.runner.start()
         if cfg.registry.tracking_uri and engine.drafter is not None:
-            from adaflash.registry import HotSwapper, Registry
+            from adaflash.server.swap import HotSwapper
+
+            from adaflash.registry import Registry
 
             reg = cfg.registry
             registry = Registry(reg.tracking_uri, reg.model_name, retries=reg.retries)

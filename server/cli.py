@@ -28,8 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from adaflash.server.app import GracefulServer, create_app
     from adaflash.server.config import ServeConfig
 
-    from adaflash.cli import UsageError
-    from adaflash.config import ConfigError, load_config
+    from adaflash.config import ConfigError, UsageError, load_config
 
     try:
         cfg = load_config(args.config, ServeConfig) if args.config else ServeConfig()

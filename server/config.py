@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from adaflash.cli import DEFAULT_DRAFTER
+from adaflash.drafter import DEFAULT_DRAFTER
 
 POLICIES = ("auto", "head", "fixed", "ema", "ar")  # plus fixedK, e.g. fixed8
 

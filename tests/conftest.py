@@ -123,7 +123,7 @@ def mlflow_server(tmp_path_factory) -> str:
     import time
     import urllib.request
 
-    from adaflash.registry import wait_ready
+    from adaflash.pipelines.mlflow_server import wait_ready
 
     root = tmp_path_factory.mktemp("mlflow")
     port = free_port()

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from adaflash.cli import CPU_TREE, LOOKUP, main
 
 

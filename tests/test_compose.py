@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from adaflash.cli import build_parser
 from adaflash.server.config import ServeConfig
 from adaflash.trainer.config import OnlineConfig
 
-from adaflash.cli import build_parser
 from adaflash.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent

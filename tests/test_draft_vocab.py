@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from adaflash.cli import main
 from adaflash.pipelines.draft_vocab import choose, count, coverage
 from conftest import tiny_drafter, tiny_target
 from test_spec import _first_token_distribution
 
-from adaflash.cli import main
 from adaflash.drafter import DRAFT_VOCAB, load_drafter
 from adaflash.engine import EMAPolicy, Engine, FixedPolicy, Request
 from adaflash.generate import generate_ar, generate_dflash

@@ -13,8 +13,7 @@ import torch
 from adaflash.server.guard import worse
 from serve_util import running_server, serve_config
 
-from adaflash.cli import DEFAULT_DRAFTER
-from adaflash.drafter import load_drafter
+from adaflash.drafter import DEFAULT_DRAFTER, load_drafter
 from adaflash.registry import Registry, bootstrap
 from adaflash.target import load_target
 

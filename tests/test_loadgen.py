@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-
 from adaflash.cli import main
-from adaflash.loadgen import Phase, parse_duration, parse_mix, parse_schedule, phase_at
+from adaflash.cli.loadgen import Phase, parse_duration, parse_mix, parse_schedule, phase_at
 
 
 def test_mix_and_duration_parsing():

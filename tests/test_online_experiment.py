@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from adaflash.pipelines.loss_replay import Replay, ReplayConfig
-from adaflash.pipelines.online_experiment import Experiment, ExperimentConfig, fingerprint
-from adaflash.pipelines.swap_bench import SwapConfig, run_swap_bench
+from adaflash.experiments.loss_replay import Replay, ReplayConfig
+from adaflash.experiments.online_experiment import Experiment, ExperimentConfig, fingerprint
+from adaflash.experiments.swap_bench import SwapConfig, run_swap_bench
 
 from adaflash.config import ConfigError, from_dict, load_config
 
@@ -39,8 +39,8 @@ def prompt_sets(tmp_path_factory) -> Path:
 
 
 def tiny_config(name: str, tmp_path: Path, paths: dict, cls):
-    """configs/<name> with this test's paths -> typed config."""
-    text = (REPO / "configs" / name).read_text()
+    """tests/configs/<name> with this test's paths -> typed config."""
+    text = (REPO / "tests" / "configs" / name).read_text()
     for placeholder, value in paths.items():
         text = text.replace(placeholder, str(value))
     path = tmp_path / name
@@ -49,7 +49,7 @@ def tiny_config(name: str, tmp_path: Path, paths: dict, cls):
 
 
 def test_head_error_r2_is_the_share_of_label_variance_explained():
-    from adaflash.pipelines.online_experiment import head_error
+    from adaflash.experiments.online_experiment import head_error
 
     labels = [0.0625, 0.125, 0.0625, 0.25]
     perfect, mean = head_error([(y, y) for y in labels]), head_error([(0.125, y) for y in labels])
@@ -59,7 +59,7 @@ def test_head_error_r2_is_the_share_of_label_variance_explained():
 
 def test_probe_scores_the_starting_head_on_the_same_blocks(tiny_hf_dir, tiny_drafter_dir):
     import torch
-    from adaflash.pipelines.online_experiment import ProbePolicy, Prompt, ServeSection, Slot, serve
+    from adaflash.experiments.online_experiment import ProbePolicy, Prompt, ServeSection, Slot, serve
 
     from adaflash.drafter import load_drafter
     from adaflash.length_head import LengthHead, LengthHeadConfig

@@ -14,14 +14,15 @@ import uuid
 import pytest
 import requests
 import torch
+from adaflash.cli import main as cli_main
+from adaflash.server.swap import HotSwapper
 from conftest import free_port
 from safetensors.torch import load_file, save_file
 
-from adaflash.cli import main as cli_main
 from adaflash.drafter import Drafter, DrafterConfig, load_drafter
 from adaflash.engine import Engine, FixedPolicy, Request
 from adaflash.length_head import LengthHead, LengthHeadConfig, save_length_head
-from adaflash.registry import HotSwapper, Registry, RegistryUnavailable, bootstrap
+from adaflash.registry import Registry, RegistryUnavailable, bootstrap
 from adaflash.target import load_target
 
 _ids = itertools.count()

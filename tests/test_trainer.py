@@ -63,11 +63,11 @@ def served(tmp_path_factory, tiny_hf_dir, tiny_drafter_dir):
 
 
 def trainer_config(tmp_path: Path, served: dict, url: str, hf: Path, drafter_dir: Path, model: str, **sections) -> Path:
-    """configs/online_tiny.yaml with this test's paths (and a private copy of the buffer) -> YAML path."""
+    """tests/configs/online_tiny.yaml with this test's paths (and a private copy of the buffer) -> YAML path."""
     buf = tmp_path / "buffer"
     if not buf.exists():
         shutil.copytree(served["root"], buf, ignore=shutil.ignore_patterns("_*"))
-    data = yaml.safe_load((REPO / "configs" / "online_tiny.yaml").read_text())
+    data = yaml.safe_load((REPO / "tests" / "configs" / "online_tiny.yaml").read_text())
     data["target"]["source"], data["drafter"]["init_dir"] = str(hf), str(drafter_dir)
     data["buffer"].update(dir=str(buf), min_new_rounds=served["min_rounds"])
     data["checkpoint"]["dir"] = str(tmp_path / "ckpt")
@@ -152,7 +152,7 @@ def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
 
     cfg = load_config(REPO / "configs" / "online_smollm2.yaml", OnlineConfig)
     assert cfg.loss.kind == "opd" and cfg.loss.clip_mode == "vocab" and cfg.max_rounds == 0
-    assert load_config(REPO / "configs" / "online_tiny.yaml", OnlineConfig).drafter.save_dtype == "float32"
+    assert load_config(REPO / "tests" / "configs" / "online_tiny.yaml", OnlineConfig).drafter.save_dtype == "float32"
     bad = tmp_path / "bad.yaml"
     for text, match in [
         ("loss:\n  kind: kl\n", r"kind must be one of \('opd', 'osd', 'head'\)"),
@@ -231,7 +231,8 @@ def test_teacher_and_training_forward_reproduce_what_was_served(served, supervis
 
 def ds_engine(served, drafter_dir, cfg: OnlineConfig):
     import deepspeed
-    from adaflash.pipelines.pretrain import init_distributed
+
+    from adaflash.distributed import init_distributed
 
     t = served["target"]
     drafter = load_drafter(drafter_dir, t.model, t.identity, torch.float32).requires_grad_(True)

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from adaflash.cli import main
+from adaflash.cli.up import UpConfig, derive_config
 from adaflash.server.config import ServeConfig
 from adaflash.trainer.config import OnlineConfig
 from conftest import free_port
 
-from adaflash.cli import main
 from adaflash.config import from_dict, load_config
-from adaflash.up import UpConfig, derive_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def _fill(obj, subs: dict):
 
 
 def tiny_up_config(tmp_path: Path, hf_dir: Path, drafter_dir: Path) -> Path:
-    data = yaml.safe_load((REPO / "configs/up_tiny.yaml").read_text())
+    data = yaml.safe_load((REPO / "tests/configs/up_tiny.yaml").read_text())
     data = _fill(data, {"PATH-TO-RUN-DIR": tmp_path / "up", "PATH-TO-TINY-TARGET": hf_dir, "PATH-TO-TINY-DRAFTER": drafter_dir})
     data["mlflow"]["port"], data["serve"]["port"] = free_port(), free_port()
     # a tiny random drafter's held-out tau is noise: let the gate promote every round (min_heldout_blocks
@@ -53,10 +53,10 @@ def tiny_up_config(tmp_path: Path, hf_dir: Path, drafter_dir: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["up_smollm2.yaml", "up_tiny.yaml"])
+@pytest.mark.parametrize("name", ["configs/up_smollm2.yaml", "tests/configs/up_tiny.yaml"])
 def test_derived_configs_load_in_the_real_config_classes(name, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    cfg = load_config(REPO / "configs" / name, UpConfig)
+    cfg = load_config(REPO / name, UpConfig)
     serve = derive_config(cfg, cfg.serve.config, cfg.serve.set, tmp_path / "serve.yaml")
     train = derive_config(cfg, cfg.train.config, cfg.train.set, tmp_path / "train.yaml")
     s = load_config(serve, ServeConfig)

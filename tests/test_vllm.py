@@ -22,9 +22,8 @@ from adaflash.server.vllm_backend import vllm_python
 from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
-from adaflash.cli import DEFAULT_DRAFTER
 from adaflash.dflash_format import export_dflash
-from adaflash.drafter import load_drafter
+from adaflash.drafter import DEFAULT_DRAFTER, load_drafter
 from adaflash.engine import Engine, FixedPolicy, Request
 from adaflash.generate import generate_ar
 from adaflash.registry import Registry, bootstrap

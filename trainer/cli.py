@@ -40,8 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from adaflash.trainer.config import OnlineConfig
     from adaflash.trainer.online import OnlineTrainer
 
-    from adaflash.cli import UsageError
-    from adaflash.config import load_config
+    from adaflash.config import UsageError, load_config
 
     cfg = load_config(args.config, OnlineConfig)
     if args.max_rounds is not None:

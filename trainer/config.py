@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adaflash.losses import CLIP_MODES
+from adaflash.kernels.opd import CLIP_MODES
 
 
 @dataclass

@@ -46,7 +46,6 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from adaflash.pipelines.pretrain import from_rank0, init_distributed
 from adaflash.trainer.config import LossSection, OnlineConfig
 from adaflash.trainer.data import capture_output, eval_items, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
 from adaflash.trainer.memory import RoundMemory
@@ -54,6 +53,7 @@ from torch import Tensor, nn
 
 from adaflash.buffer import TRAJECTORY_SCHEMA, ShardReader, from_arrow
 from adaflash.config import to_dict
+from adaflash.distributed import from_rank0, init_distributed
 from adaflash.drafter import Drafter, load_drafter
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, load_length_head, save_length_head
 from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss

@@ -109,7 +109,7 @@ def load_pools(prompt_sets: Path | None, split: str, prompts_file: Path | None, 
     """Chat messages per domain, for the domains the schedule uses."""
     pools: dict[str, list[list[dict]]] = {}
     if prompts_file is not None:
-        from adaflash.cli import read_prompts_file
+        from adaflash.pipelines.prompts import read_prompts_file
 
         for item in read_prompts_file(prompts_file):
             msgs = item["messages"]
@@ -360,7 +360,7 @@ def _print_summary(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaflash.cli import UsageError
+    from adaflash.config import UsageError
 
     try:
         phases = parse_schedule(args.schedule) if args.schedule else [Phase(parse_mix(args.domains), None)]

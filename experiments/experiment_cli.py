@@ -79,7 +79,7 @@ def register(subparsers) -> None:
 
 
 def run_domain_shift(args: argparse.Namespace) -> int:
-    from adaflash.pipelines.online_experiment import Experiment, ExperimentConfig
+    from adaflash.experiments.online_experiment import Experiment, ExperimentConfig
 
     from adaflash.config import load_config
 
@@ -94,7 +94,7 @@ def run_domain_shift(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from adaflash.pipelines.loss_replay import Replay, ReplayConfig
+    from adaflash.experiments.loss_replay import Replay, ReplayConfig
 
     from adaflash.config import load_config
 
@@ -105,7 +105,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def run_swap(args: argparse.Namespace) -> int:
-    from adaflash.pipelines.swap_bench import SwapConfig, run_swap_bench
+    from adaflash.experiments.swap_bench import SwapConfig, run_swap_bench
 
     from adaflash.config import load_config
 

@@ -269,7 +269,7 @@ def tracking_server(uri: str | None, root: Path):
     if uri:
         yield uri
         return
-    from adaflash.registry import start_mlflow_server, stop_mlflow_server, wait_ready
+    from adaflash.pipelines.mlflow_server import start_mlflow_server, stop_mlflow_server, wait_ready
 
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -16,11 +16,11 @@ import signal
 import sys
 from datetime import datetime
 
-from adaflash.cli import UsageError
+from adaflash.config import UsageError
 
 
 def cmd_mlflow(args: argparse.Namespace) -> int:
-    from adaflash.registry import start_mlflow_server, stop_mlflow_server, wait_ready
+    from adaflash.pipelines.mlflow_server import start_mlflow_server, stop_mlflow_server, wait_ready
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import requests
 import yaml
-
-from adaflash.upview import LiveView
+from adaflash.cli.upview import LiveView
 
 
 @dataclass
@@ -325,8 +324,7 @@ class Up:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaflash.cli import UsageError
-    from adaflash.config import load_config
+    from adaflash.config import UsageError, load_config
 
     cfg = load_config(args.config, UpConfig)
     if args.duration is not None and args.duration <= 0:

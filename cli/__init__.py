@@ -17,44 +17,14 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "drafter-smollm2"
+from adaflash.pipelines.prompts import read_prompts_file
+
+from adaflash.config import UsageError
+from adaflash.drafter import DEFAULT_DRAFTER
+
 CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
 CPU_TREE = 8  # the fastest greedy token tree (nodes) measured on a 2-core CPU (docs/benchmarks.md)
 LOOKUP = 8  # prompt-lookup branch grafted into every tree by default (tokens; docs/benchmarks.md)
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
-
-
-def read_prompts_file(path: Path) -> list[dict]:
-    """JSONL, one object per line: {"prompt": str} or {"messages": [...]}, optional "domain"."""
-    if not path.exists():
-        raise UsageError(f"prompts file {path} does not exist")
-    items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
-            raise UsageError(f'{path}:{n}: each line needs exactly one of "prompt" (string) or "messages" (list)')
-        if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
-            raise UsageError(f'{path}:{n}: "prompt" must be a non-empty string')
-        if "messages" in obj:
-            msgs = obj["messages"]
-            if not (
-                isinstance(msgs, list)
-                and msgs
-                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
-            ):
-                raise UsageError(f'{path}:{n}: "messages" must be a non-empty list of {{role, content}} strings')
-        items.append({"messages": obj.get("messages") or obj["prompt"], "domain": obj.get("domain")})
-    if not items:
-        raise UsageError(f"prompts file {path} holds no prompts")
-    return items
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -146,8 +116,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from adaflash.config import load_config
     from adaflash.pipelines.pretrain import STAGES, PretrainConfig, run_stages
+
+    from adaflash.config import load_config
 
     cfg = load_config(args.config, PretrainConfig)
     stages = STAGES if args.stage == "all" else [s.strip() for s in args.stage.split(",")]
@@ -185,8 +156,9 @@ def _bench_prompts(args, target) -> dict:
 def cmd_bench(args: argparse.Namespace) -> int:
     import platform
 
-    from adaflash.drafter import load_drafter
     from adaflash.pipelines.bench import ENGINE_METHODS, HF_METHODS, bench, known_method, split_method, write_bench
+
+    from adaflash.drafter import load_drafter
     from adaflash.target import load_target
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -254,8 +226,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_fit_head(args: argparse.Namespace) -> int:
-    from adaflash.drafter import load_drafter, load_drafter_config
     from adaflash.pipelines.fit_head import fit_head
+
+    from adaflash.drafter import load_drafter, load_drafter_config
     from adaflash.target import load_target
 
     if args.draft_len is not None:  # checked before the target loads: a bad value fails at once
@@ -475,12 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that live beside their component: each module has register(subparsers), which adds one
 # or more subparsers with set_defaults(func=...) (the func returns an exit code, raises UsageError).
 COMMAND_MODULES: list[str] = [
-    "adaflash.registry_cli",
+    "adaflash.cli.registry",
     "adaflash.server.cli",
-    "adaflash.loadgen",
-    "adaflash.up",
+    "adaflash.cli.loadgen",
+    "adaflash.cli.up",
     "adaflash.trainer.cli",
-    "adaflash.pipelines.experiment_cli",
+    "adaflash.experiments.experiment_cli",
     "adaflash.pipelines.draft_vocab",
 ]
 
@@ -495,7 +468,3 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"adaflash: error: {e}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -108,7 +108,7 @@ class Client(threading.Thread):
 
 def load_messages(sets: Path, domains: list[str], max_chars: int) -> list[list[dict]]:
     """Chat messages of the eval split's prompts of `domains`, round robin over the domains."""
-    from adaflash.pipelines.online_experiment import interleave
+    from adaflash.experiments.online_experiment import interleave
     from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
 
     if not (sets / "eval.parquet").exists():
@@ -136,7 +136,7 @@ def gaps_in(requests: list[dict], t0: float, t1: float) -> list[float]:
 
 
 def run_swap_bench(cfg: SwapConfig, out: Path, log=print) -> dict:
-    from adaflash.pipelines.online_experiment import free_port, tracking_server
+    from adaflash.experiments.online_experiment import free_port, tracking_server
     from adaflash.server.app import GracefulServer, create_app
     from adaflash.server.config import ServeConfig
 

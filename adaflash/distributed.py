@@ -1,0 +1,36 @@
+"""Process-group helpers shared by the DeepSpeed trainers (offline pretraining and the online trainer)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+
+def init_distributed() -> None:
+    """Single-process DeepSpeed on CPU (gloo) unless a launcher already set the rank variables.
+    A single process rendezvouses through a file, not a TCP port another process could grab first."""
+    init_method = None
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="adaflash-dist-"), "store")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if init_method is None:
+        deepspeed.init_distributed(dist_backend=backend)
+    else:
+        deepspeed.init_distributed(dist_backend=backend, init_method=init_method, rank=0, world_size=1)
+
+
+def from_rank0(obj):
+    """Rank 0's value of `obj` on every rank (a decision one rank took alone, such as a time-limit
+    stop, would leave the others waiting in the next collective)."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
