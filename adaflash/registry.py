@@ -62,6 +62,12 @@ def _root(e: BaseException) -> str:
     return type(e).__name__
 
 
+def target_label(identity: dict) -> str:
+    """A drafter's target identity as one readable registry tag (the UI shows tags as plain text)."""
+    rest = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(identity.items()) if k not in ("name", "fingerprint"))
+    return f"{identity.get('name', '?')} ({identity.get('fingerprint', '?')}" + (f"; {rest})" if rest else ")")
+
+
 class Registry:
     """The drafter's registered model on an MLflow tracking server."""
 
@@ -166,7 +172,7 @@ class Registry:
             self.call("end run", lambda: self.client.set_terminated(run_id))
         self._ensure_model()
         all_tags = {k: str(v) for k, v in (tags or {}).items()}
-        all_tags["target_identity"] = json.dumps(identity, sort_keys=True)
+        all_tags["target"] = target_label(identity)
         mv = self.call(
             "create version",
             lambda: self.client.create_model_version(self.model_name, f"runs:/{run_id}/{ARTIFACT_PATH}", run_id=run_id, tags=all_tags),

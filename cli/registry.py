@@ -10,7 +10,6 @@ adaflash registry promote VERSION    move `champion` (an older version = rollbac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -50,14 +49,6 @@ def _registry(args: argparse.Namespace):
     return Registry(args.tracking_uri, args.model_name)
 
 
-def _target_label(tags: dict) -> str:
-    try:
-        ident = json.loads(tags.get("target_identity", "{}"))
-    except json.JSONDecodeError:
-        return "?"
-    return f"{ident.get('name', '?')}/{ident.get('fingerprint', '?')}"
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     reg = _registry(args)
     rows = reg.versions()
@@ -65,11 +56,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"no versions of {args.model_name} at {args.tracking_uri}: run `adaflash registry bootstrap --drafter DIR`")
         return 0
     print(f"{args.model_name} at {args.tracking_uri} (UI: Models > {args.model_name})")
-    print(f"{'version':>7}  {'aliases':<10} {'created':<19}  {'target':<32} tags")
+    print(f"{'version':>7}  {'aliases':<10} {'created':<19}  tags")
     for r in rows:
         created = datetime.fromtimestamp(r["created_ms"] / 1000).strftime("%Y-%m-%d %H:%M:%S") if r["created_ms"] else "?"
-        tags = " ".join(f"{k}={v}" for k, v in sorted(r["tags"].items()) if k != "target_identity")
-        print(f"{r['version']:>7}  {','.join(r['aliases']) or '-':<10} {created:<19}  {_target_label(r['tags']):<32} {tags}")
+        tags = " ".join(f"{k}={v}" for k, v in sorted(r["tags"].items()))
+        print(f"{r['version']:>7}  {','.join(r['aliases']) or '-':<10} {created:<19}  {tags}")
     return 0
 
 

@@ -56,6 +56,8 @@ def mlflow_state(tracking_uri: str, model_name: str, experiment: str, timeout: f
     )
     rm = requests.get(f"{api}/registered-models/get", params={"name": model_name}, timeout=timeout).json()
     aliases = {a["alias"]: a["version"] for a in rm.get("registered_model", {}).get("aliases", [])}
+    newest = max(mv, key=lambda v: int(v["version"]), default=None)
+    newest_tags = {t["key"]: t["value"] for t in (newest or {}).get("tags", [])}
     finished = [r for r in runs if r["info"]["status"] == "FINISHED"]
     last = finished[0] if finished else {}
     return {
@@ -63,9 +65,21 @@ def mlflow_state(tracking_uri: str, model_name: str, experiment: str, timeout: f
         "running": sum(r["info"]["status"] == "RUNNING" for r in runs),
         "versions": sorted(int(v["version"]) for v in mv),
         "champion": aliases.get("champion"),
+        "newest_verdict": _verdict(newest_tags),
         "last_round": last.get("info", {}).get("run_name"),
         "last_metrics": {m["key"]: m["value"] for m in last.get("data", {}).get("metrics", [])},
     }
+
+
+def _verdict(tags: dict) -> str:
+    """What happened to a version, from its registry tags: the gate's verdict and reason, a rollback."""
+    if "rolled_back" in tags:
+        return f"rolled back ({tags['rolled_back']})"
+    if tags.get("gate") == "rejected":
+        return f"rejected by the gate ({tags.get('reason', '?')})"
+    if tags.get("gate") == "promoted":
+        return "promoted by the gate"
+    return f"registered by {tags['source']}" if "source" in tags else ""
 
 
 class LoadTail:
@@ -157,6 +171,7 @@ class LiveView:
                 f"registry {cfg.model_name}: {len(versions)} versions"
                 + (f" (v{versions[0]}..v{versions[-1]})" if versions else "")
                 + f", champion v{s['champion'] or '-'}"
+                + (f"; v{versions[-1]} {s['newest_verdict']}" if versions and s["newest_verdict"] else "")
             )
         except (requests.RequestException, ValueError, KeyError) as e:
             out.append(f"trainer  MLflow unreachable ({type(e).__name__})")

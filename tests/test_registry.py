@@ -86,7 +86,9 @@ def test_register_champion_download_roundtrip(mlflow_server, tiny_drafter_dir, t
     (row,) = reg.versions()
     assert row["version"] == "1" and row["aliases"] == ["champion"] and reg.champion() == "1"
     assert row["tags"]["stage"] == "test" and row["tags"]["eval_tau"] == "1.5"
-    assert json.loads(row["tags"]["target_identity"]) == json.loads((src / "config.json").read_text())["target"]
+    ident = json.loads((src / "config.json").read_text())["target"]
+    assert row["tags"]["target"].startswith(f"{ident['name']} ({ident['fingerprint']}; ")  # readable, not a JSON blob
+    assert f"vocab size {ident['vocab_size']}" in row["tags"]["target"]
 
     path = reg.download("1", tmp_path / "cache")
     want = {"config.json", "model.safetensors", "length_head.json", "length_head.safetensors", "eval.json"}

@@ -147,6 +147,18 @@ def test_round_memory_keeps_the_last_rounds_and_ignores_a_killed_rounds_file(tmp
     assert sorted(p.name for p in mem.root.iterdir()) == ["round3.parquet"]
 
 
+def test_first_rounds_are_small_and_double_up_to_the_configured_size(tmp_path):
+    cfg = load_config(REPO / "configs" / "online_smollm2.yaml", OnlineConfig)
+    sizes = [cfg.round_size(r) for r in range(1, 6)]
+    assert sizes == [(256, 8), (512, 16), (1024, 32), (2048, 40), (2048, 40)]  # make up: a version within minutes
+    plain = OnlineConfig()
+    assert plain.round_size(1) == plain.round_size(9) == (plain.buffer.min_new_rounds, plain.train.steps_per_update)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps_per_update: 10\n  first_steps: 20\n")
+    with pytest.raises(ValueError, match=r"first_steps must be in \[1, steps_per_update=10\]"):
+        load_config(bad, OnlineConfig)
+
+
 def test_configs_load_and_bad_values_say_what_to_fix(tmp_path):
     from adaflash.config import ConfigError
 

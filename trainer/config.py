@@ -33,12 +33,17 @@ class DrafterSection:
 class BufferSection:
     dir: str = "runs/buffer"  # the trajectory buffer serving nodes write (adaflash.buffer.ShardWriter)
     min_new_rounds: int = 512  # verification rounds needed to form one update round
+    first_min_new_rounds: int | None = None  # round 1 needs only this many; doubling each round up to min_new_rounds
     heldout_frac: float = 0.1  # trajectories held out for the gate (by request_id hash, never trained on)
     poll_interval_s: float = 5.0  # seconds between buffer polls while waiting for data
 
     def __post_init__(self):
         if self.min_new_rounds < 1:
             raise ValueError(f"min_new_rounds must be >= 1, got {self.min_new_rounds}")
+        if self.first_min_new_rounds is not None and not 1 <= self.first_min_new_rounds <= self.min_new_rounds:
+            raise ValueError(
+                f"first_min_new_rounds must be in [1, min_new_rounds={self.min_new_rounds}] or null, got {self.first_min_new_rounds}"
+            )
         if not 0.0 <= self.heldout_frac < 1.0:
             raise ValueError(f"heldout_frac must be in [0, 1), got {self.heldout_frac}")
         if self.poll_interval_s <= 0:
@@ -101,6 +106,7 @@ class LossSection:
 @dataclass
 class TrainSection:
     steps_per_update: int = 50  # optimizer steps per update round
+    first_steps: int | None = None  # round 1 takes only this many steps; doubling each round up to steps_per_update
     seqs_per_step: int = 4  # trajectories per step (per rank)
     anchors_per_seq: int = 16  # recorded (on-policy) blocks sampled per trajectory per step
     lr: float = 3e-5  # drafter learning rate (fine-tuning a pretrained drafter)
@@ -117,6 +123,8 @@ class TrainSection:
         for name in ("steps_per_update", "seqs_per_step", "anchors_per_seq", "eval_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.first_steps is not None and not 1 <= self.first_steps <= self.steps_per_update:
+            raise ValueError(f"first_steps must be in [1, steps_per_update={self.steps_per_update}] or null, got {self.first_steps}")
         if self.head_refit_epochs < 0:
             raise ValueError(f"head_refit_epochs must be >= 0 (0 = off), got {self.head_refit_epochs}")
         if self.replay_rounds < 0:
@@ -184,6 +192,16 @@ class OnlineConfig:
     gate: GateSection = field(default_factory=GateSection)
     retention: RetentionSection = field(default_factory=RetentionSection)
     max_rounds: int = 0  # update rounds to run before exiting; 0 = forever
+
+    def round_size(self, r: int) -> tuple[int, int]:
+        """(verification rounds to wait for, optimizer steps) of update round r (1-based): the first rounds
+        are small so that a newly started loop registers a version within minutes; each round doubles them
+        up to buffer.min_new_rounds / train.steps_per_update."""
+
+        def ramp(first: int | None, full: int) -> int:
+            return full if first is None else min(full, first * 2 ** min(max(r - 1, 0), 30))
+
+        return ramp(self.buffer.first_min_new_rounds, self.buffer.min_new_rounds), ramp(self.train.first_steps, self.train.steps_per_update)
 
     def __post_init__(self):
         if self.max_rounds < 0:

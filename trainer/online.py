@@ -386,7 +386,7 @@ class OnlineTrainer:
         """The oldest polled shards holding >= min_new_rounds verification rounds, or None (keep waiting)."""
         self._waiting += self.reader.poll()
         self._waiting.sort(key=lambda b: (pc.min(b.table["created_ns"]).as_py(), b.name))
-        need, have = self.cfg.buffer.min_new_rounds, 0
+        need, have = self.cfg.round_size(self.state["round"] + 1)[0], 0
         for i, b in enumerate(self._waiting):
             have += pc.sum(pc.list_value_length(b.table["rounds"])).as_py() or 0
             if have >= need:
@@ -439,7 +439,7 @@ class OnlineTrainer:
         run_id = self._begin_run(info, window) if self.rank == 0 else None
         supervise(self.target.model, train + held, cfg.train.eval_seqs)
         before = self._eval(held)
-        steps = [self._step(train, r, i, run_id) for i in range(cfg.train.steps_per_update)] if train else []
+        steps = [self._step(train, r, i, run_id) for i in range(cfg.round_size(r)[1])] if train else []
         refit = refit_head(self.engine.module, train, self.k_blk, cfg.train, seed=cfg.train.seed + r)
         after = self._eval(held)
         promote, reason = gate(before, after, cfg.gate.tolerance, cfg.gate.min_heldout_blocks)
@@ -562,7 +562,8 @@ class OnlineTrainer:
             **{f"train.{k}": v for k, v in to_dict(cfg.train).items()},
             "deepspeed.zero_stage": cfg.deepspeed.zero_stage,
             "world_size": self.world,
-            "min_new_rounds": cfg.buffer.min_new_rounds,
+            "min_new_rounds": cfg.round_size(info["round"])[0],
+            "steps": cfg.round_size(info["round"])[1],
             "heldout_frac": cfg.buffer.heldout_frac,
             "parent_version": self.state["base_version"],
             **info,
