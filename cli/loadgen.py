@@ -152,6 +152,8 @@ class Result:
     drafter_version: str | None = None
     error: str | None = None
     id: str | None = None  # the server's response id (= the request_id of its trajectory row)
+    ttft_s: float | None = None  # time to the first streamed token (--stream only)
+    t_unix: float = 0.0  # wall-clock start (to line results up with other logs)
 
     def record(self) -> dict:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -179,15 +181,46 @@ def served_model(base_url: str, headers: dict) -> str:
         ) from None
 
 
+def read_stream(resp: requests.Response) -> dict:
+    """A streamed chat completion (server-sent events) -> the fields a non-streamed response has that
+    the load generator reads: id, usage, adaflash stats (from the final chunks). Raises ValueError on an
+    error event or a stream that ends without [DONE] (the server died mid-answer)."""
+    out: dict = {"ttft_s": None}
+    t0 = time.monotonic()
+    for line in resp.iter_lines(decode_unicode=True):
+        if not line or not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            return out
+        obj = json.loads(data)
+        if "error" in obj:
+            raise ValueError(f"error event: {obj['error'].get('message', obj['error'])}")
+        out["id"] = obj.get("id", out.get("id"))
+        for key in ("usage", "adaflash"):
+            if obj.get(key):
+                out[key] = obj[key]
+        if out["ttft_s"] is None and any((c.get("delta") or {}).get("content") for c in obj.get("choices", [])):
+            out["ttft_s"] = time.monotonic() - t0
+    raise ValueError("stream ended without [DONE]")
+
+
 def send_one(
     url: str, body: dict, headers: dict, timeout: float, max_retries: int, stop: threading.Event
 ) -> tuple[dict | None, int | None, int, str | None]:
-    """POST one chat completion with retries -> (response JSON, HTTP status, retries, error)."""
+    """POST one chat completion with retries -> (response JSON, HTTP status, retries, error). A streamed
+    request (body["stream"]) is retried only before its first byte: after that, a broken stream is a failure."""
     attempt = 0
+    stream = bool(body.get("stream"))
     while True:
         resp = None
         try:
-            resp = requests.post(url, json=body, headers=headers, timeout=timeout)
+            resp = requests.post(url, json=body, headers=headers, timeout=timeout, stream=stream)
+            if resp.status_code == 200 and stream:
+                try:
+                    return read_stream(resp), 200, attempt, None
+                except (ValueError, requests.RequestException) as e:
+                    return None, 200, attempt, f"broken stream: {type(e).__name__}: {e}"
             if resp.status_code == 200:
                 return resp.json(), 200, attempt, None
             error = f"HTTP {resp.status_code}: {resp.text[:200]}"
@@ -237,12 +270,15 @@ class LoadGen:
             "temperature": self.args.temperature,
             "metadata": {"domain": domain},
         }
-        start = time.monotonic()
+        if self.args.stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        start, t_unix = time.monotonic(), time.time()
         data, status, retries, error = send_one(self.url, body, self.headers, self.args.timeout, self.args.max_retries, self.stop)
-        res = Result(t, time.monotonic() - start, domain, phase, data is not None, status, retries, error=error)
+        res = Result(t, time.monotonic() - start, domain, phase, data is not None, status, retries, error=error, t_unix=t_unix)
         if data is not None:
             stats = data.get("adaflash") or {}
             res.id = data.get("id")
+            res.ttft_s = data.get("ttft_s")
             res.completion_tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
             res.tau = float(stats["tau"]) if stats.get("tau") is not None else None
             version = stats.get("drafter_version", stats.get("version"))
@@ -435,6 +471,7 @@ def register(sub) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stream", action="store_true", help="stream each answer (server-sent events); records time to first token")
     p.add_argument("--model", help="the request's model field (default: the first model the server lists)")
     p.add_argument(
         "--api-key", default=os.environ.get("ADAFLASH_API_KEY"), help="Bearer key, if the server wants one (default: $ADAFLASH_API_KEY)"

@@ -79,6 +79,8 @@ class UpConfig:
     serve: ServeSection = field(default_factory=ServeSection)
     train: TrainSection | None = field(default_factory=TrainSection)  # null: serve without online training
     loadgen: LoadgenSection | None = field(default_factory=LoadgenSection)  # null: bring your own traffic
+    restart: list[str] = field(default_factory=lambda: ["serve", "train"])  # children restarted when they die on their own
+    max_restarts: int = 5  # per child; one more death stops the loop with its log
     refresh_s: float = 2.0  # live view refresh period
     ready_timeout_s: float = 300.0  # per process: how long to wait for it to become healthy
     stop_timeout_s: float = 30.0  # per process: SIGINT, then SIGKILL after this long
@@ -87,6 +89,10 @@ class UpConfig:
         for name in ("refresh_s", "ready_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not set(self.restart) <= {"serve", "train", "loadgen"}:
+            raise ValueError(f"restart names children among serve, train, loadgen; got {self.restart}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
     @property
     def tracking_uri(self) -> str:
@@ -162,7 +168,7 @@ class Child:
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "w") as f:
+        with open(self.log, "a" if self.proc is not None else "w") as f:  # a restart appends to the same log
             f.write(f"$ {' '.join(self.cmd)}\n")
             f.flush()
             self.proc = subprocess.Popen(
@@ -203,6 +209,7 @@ class Up:
         self.run_dir = Path(cfg.run_dir)
         self.logs = self.run_dir / "logs"
         self.children: list[Child] = []
+        self.restarts: dict[str, int] = {}
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": cfg.tracking_uri}
 
     def _spawn(self, name: str, *args: str) -> Child:
@@ -315,6 +322,20 @@ class Up:
                 return c
         return None
 
+    def restart(self, child: Child) -> bool:
+        """Restart a child that died on its own, if the config allows it (False: the loop must stop).
+        A restarted server is back when /ready answers; requests in flight at its death failed, queued
+        ones are retried by the clients, and its journaled trajectory rows are published by the new one."""
+        n = self.restarts.get(child.name, 0)
+        if child.name not in self.cfg.restart or n >= self.cfg.max_restarts:
+            return False
+        self.restarts[child.name] = n + 1
+        print(f"up: {child.name} exited with code {child.poll()}; restarting it ({n + 1}/{self.cfg.max_restarts})", flush=True)
+        child.start()
+        if child.name == "serve":
+            self._wait(child, lambda: http_ok(f"{self.cfg.server_url}/ready"), f"ready again at {self.cfg.server_url}/v1")
+        return True
+
     def stop_all(self) -> None:
         for child in reversed(self.children):
             if child.poll() is None:
@@ -350,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         while not stop.is_set():
             view.refresh()
             dead = up.failed_child()
-            if dead is not None:
+            if dead is not None and not up.restart(dead):
                 raise UpError(f"{dead.name} exited with code {dead.poll()}; last lines of {dead.log}:\n{dead.tail()}")
             if end is not None and time.monotonic() >= end:
                 reason["why"] = f"--duration {args.duration:g}s reached"

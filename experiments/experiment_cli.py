@@ -1,8 +1,9 @@
-"""`adaflash experiment domain-shift | replay | swap`: the online-learning measurements (registered into the `adaflash` CLI)."""
+"""`adaflash experiment domain-shift | replay | swap | soak`: the online-learning measurements (registered into the `adaflash` CLI)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 DOMAIN_SHIFT = """\
 A drafter pretrained without code serves code traffic; per arm (opd, osd, head, none), from the same
@@ -37,6 +38,16 @@ inter-token latency p50/p95 before vs during the swap (p95 ratio must be <= max_
 duration. Writes swap.json and swap.md into --out.
 
 Example: adaflash experiment swap --config configs/experiment_swap.yaml --out runs/swap-bench
+"""
+
+SOAK = """\
+Runs the whole loop (`adaflash up` on private ports) under N streaming clients for an hour, SIGKILLs
+the server in the middle (`up` restarts it), and reports: requests and failures (those in flight at the
+kill apart), trajectory rows vs completed requests (by request id), the server's RSS over time, p50/p99
+latency per 5 minutes, and the bytes of the buffer and the trainer folder on disk. Writes report.md,
+summary.json, samples.jsonl and soak.png into --out. Not part of CI (an hour of the machine).
+
+Example: adaflash experiment soak --config configs/experiment_soak.yaml --out runs/soak
 """
 
 
@@ -75,6 +86,17 @@ def register(subparsers) -> None:
                 help="MLflow server URL (overrides tracking_uri; default: a private server under OUT/mlflow)",
             )
         q.set_defaults(func=func)
+    k = sub.add_parser(
+        "soak",
+        help="an hour of streaming load on the whole loop, with a server kill -9: failures, rows, memory, disk",
+        description=SOAK,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    k.add_argument("--config", default="configs/experiment_soak.yaml", help="YAML (default: configs/experiment_soak.yaml)")
+    k.add_argument("--out", required=True, help="output folder (a new one: the loop starts empty)")
+    k.add_argument("--duration-s", type=float, default=None, help="override duration_s (seconds the clients send)")
+    k.add_argument("--kill-at-s", type=float, default=None, help="override kill_at_s (0 = no kill)")
+    k.set_defaults(func=run_soak)
     d.add_argument("--arms", default=None, help="comma list of arms to run, overriding the config's (e.g. head,opd)")
 
 
@@ -113,4 +135,21 @@ def run_swap(args: argparse.Namespace) -> int:
     cfg.tracking_uri = args.tracking_uri or cfg.tracking_uri
     run_swap_bench(cfg, args.out)
     print(f"report: {args.out}/swap.md")
+    return 0
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    from adaflash.experiments.soak import Soak, SoakConfig
+
+    from adaflash.config import load_config
+
+    cfg = load_config(args.config, SoakConfig)
+    if args.duration_s is not None:
+        cfg.duration_s = args.duration_s
+    if args.kill_at_s is not None:
+        cfg.kill_at_s = args.kill_at_s
+    cfg.__post_init__()
+    summary = Soak(cfg, args.out).run()
+    print(json.dumps({k: v for k, v in summary.items() if k != "latency_windows"}, indent=1))
+    print(f"report: {args.out}/report.md")
     return 0

@@ -302,11 +302,11 @@ class EngineRunner:
         stats = request_stats(st, self.engine.policy.name, self.engine.k_blk, h)
         if self.on_finish is not None:
             self.on_finish(reason, stats)
-        h.push(Outcome(list(st.out), reason, stats))
-        if self.writer is not None and st.out:
+        if self.writer is not None and st.out:  # durable (journal) before the client hears the request is done
             try:
                 self.writer.append(self.engine.trajectory(st, self.writer.writer_id))
                 self.counters.rows_written += 1
             except Exception:
                 self.counters.trajectory_errors += 1
                 log.exception("could not record the trajectory of %s", st.req.request_id)
+        h.push(Outcome(list(st.out), reason, stats))

@@ -137,6 +137,7 @@ def test_seq_continues_after_restart_even_if_shards_deleted(tmp_path):
     w.close()
     w2 = ShardWriter(tmp_path, "w0", rows_per_shard=1)
     assert w2.append(make_traj(2)) == "w0-00000003.parquet"
+    w2.close()  # one live writer per writer_id (the journal's lock refuses a second)
     # Another writer's numbering is independent.
     assert ShardWriter(tmp_path, "w1").next_seq == 1
     # Consume + delete everything: a restarted writer still never reuses a consumed name.
@@ -306,6 +307,7 @@ def test_hidden_files_ignored(tmp_path):
     assert (tmp_path / ".w9-00000001.parquet.tmp").exists()
     # A writer removes only its own stale temp files.
     (tmp_path / ".w0-00000002.parquet.tmp").write_bytes(b"stale")
+    w.close()  # one live writer per writer_id
     ShardWriter(tmp_path, "w0")
     assert not (tmp_path / ".w0-00000002.parquet.tmp").exists()
     assert (tmp_path / ".w9-00000001.parquet.tmp").exists()
@@ -443,6 +445,80 @@ def test_kill_9_while_writing(tmp_path):
 
     w = ShardWriter(tmp_path, "w0", rows_per_shard=1)  # cleans its stale temp file
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    # the shard torn by the kill is published from the writer's journal: its 600 rows are not lost
+    (torn,) = r.poll()
+    assert torn.name not in names and torn.name > names[-1] and torn.num_rows == 600
+    assert len({t.request_id for t in torn.trajectories()} - set(ids)) == 600
     new = w.append(Trajectory("after", "w0", "v1", [1], [2]))
-    assert new not in names and new > names[-1]
+    assert new not in names and new > torn.name
     assert [b.name for b in r.poll()] == [new]
+
+
+# -- the writer's journal: rows survive kill -9 -----------------------------------------------
+
+_JOURNAL_CHILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from adaflash.buffer import ShardWriter
+from test_buffer import make_traj
+w = ShardWriter({root!r}, "node-dead", rows_per_shard=100, max_age_s=None)
+for i in range(5):
+    w.append(make_traj(i))
+print("appended", flush=True)
+time.sleep(600)
+"""
+
+
+def test_rows_appended_before_a_kill_9_are_published_by_the_next_writer(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    code = _JOURNAL_CHILD.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "appended"
+        with pytest.raises(RuntimeError, match="another live ShardWriter uses writer_id 'node-dead'"):
+            ShardWriter(tmp_path, "node-dead")
+        alive = ShardWriter(tmp_path, "node-a")  # the dead writer's journal is locked while it lives
+        assert shard_files(tmp_path) == []
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    ShardWriter(tmp_path, "node-b").close()
+    assert shard_files(tmp_path) == ["node-dead-00000001.parquet"]
+    (batch,) = ShardReader(tmp_path).poll()
+    assert [t.request_id for t in batch.trajectories()] == [make_traj(i).request_id for i in range(5)]
+    alive.append(make_traj(7))
+    assert alive.close() == "node-a-00000001.parquet"
+    assert os.listdir(tmp_path / "_journal") == []  # closed writers leave no journal
+
+
+def test_a_torn_journal_tail_is_dropped_and_published_rows_are_not_published_twice(tmp_path):
+    import shutil
+
+    w = ShardWriter(tmp_path, "w0", rows_per_shard=100, max_age_s=None)
+    for i in range(3):
+        w.append(make_traj(i))
+    journal = tmp_path / "_journal" / "w0.arrows"
+    shutil.copy(journal, tmp_path / "before-flush.arrows")
+    assert w.close() == "w0-00000001.parquet"
+    # a crash between publishing the shard and emptying the journal: the shard is not written twice
+    shutil.copy(tmp_path / "before-flush.arrows", tmp_path / "_journal" / "w-crashed.arrows")
+    (tmp_path / "_writers" / "w-crashed.seq").write_text("1\n")
+    shutil.move(tmp_path / "w0-00000001.parquet", tmp_path / "w-crashed-00000001.parquet")
+    ShardWriter(tmp_path, "w1").close()
+    assert shard_files(tmp_path) == ["w-crashed-00000001.parquet"]
+    # ...nor after the trainer consumed and deleted it
+    r = ShardReader(tmp_path)
+    r.commit(r.poll())
+    r.retain("delete")
+    shutil.copy(tmp_path / "before-flush.arrows", tmp_path / "_journal" / "w-crashed.arrows")
+    ShardWriter(tmp_path, "w2").close()
+    assert shard_files(tmp_path) == []
+    # a journal whose last row was torn by the crash: the whole rows before it are published
+    data = (tmp_path / "before-flush.arrows").read_bytes()
+    (tmp_path / "_journal" / "w-torn.arrows").write_bytes(data[:-40])
+    ShardWriter(tmp_path, "w3").close()
+    (batch,) = ShardReader(tmp_path, ledger_path=tmp_path / "other-ledger.jsonl").poll()
+    assert batch.name == "w-torn-00000001.parquet" and 1 <= batch.num_rows < 3

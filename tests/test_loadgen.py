@@ -112,12 +112,15 @@ def prompts(tmp_path) -> Path:
     return f
 
 
-def test_schedule_run_against_real_server(server, prompts, tmp_path, capsys):
-    """4 requests/s, a shift after 1 s: the first 4 are gsm8k, the rest humaneval; all answer with tau stats."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_schedule_run_against_real_server(server, prompts, tmp_path, capsys, stream):
+    """4 requests/s, a shift after 1 s: the first 4 are gsm8k, the rest humaneval; all answer with tau stats
+    (streamed too: the stats and usage come from the final chunks, and the time to the first token is kept)."""
     out = tmp_path / "results.jsonl"
     code = main(
         [
             "loadgen",
+            *(["--stream"] if stream else []),
             "--url",
             server,
             "--prompts-file",
@@ -152,6 +155,7 @@ def test_schedule_run_against_real_server(server, prompts, tmp_path, capsys):
     assert sorted((r["phase"], r["domain"]) for r in rows) == [(0, "gsm8k")] * 4 + [(1, "humaneval")] * 2
     assert set(summary["per_domain"]) == {"gsm8k", "humaneval"} and len(summary["per_phase"]) == 2
     assert "loadgen t=" in captured.err  # progress lines
+    assert all(r["id"] for r in rows) and all((r["ttft_s"] is not None) == stream for r in rows)
 
 
 def test_retries_on_429_honouring_retry_after(server, prompts, capsys):

@@ -159,6 +159,15 @@ def test_whole_loop_until_a_round_lands_then_ctrl_c(tiny_hf_dir, tiny_drafter_di
         while requests.get(status_url, timeout=5).json().get("drafter_version") in ("0", "1"):
             assert time.monotonic() < swap_deadline, "the server did not swap to the promoted version"
             time.sleep(0.5)
+        # kill -9 the server: up restarts it, and it serves again
+        serve_cmd = f"adaflash.cli serve --config {Path(cfg.run_dir) / 'serve.yaml'}"
+        (serve_pid,) = [int(p.split(":")[0]) for p in _procs_mentioning(serve_cmd)]
+        os.kill(serve_pid, signal.SIGKILL)
+        back = time.monotonic() + 120
+        while "up: serve ready again" not in (tmp_path / "up.out").read_text():
+            assert proc.poll() is None and time.monotonic() < back, f"server not restarted:\n{(tmp_path / 'up.out').read_text()[-4000:]}"
+            time.sleep(0.5)
+        assert requests.get(status_url, timeout=5).status_code == 200
         time.sleep(2.5)  # one more view refresh
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
         assert proc.wait(120) == 0
@@ -173,6 +182,7 @@ def test_whole_loop_until_a_round_lands_then_ctrl_c(tiny_hf_dir, tiny_drafter_di
         assert f"up: starting {name}" in text
     assert text.index("up: starting mlflow") < text.index("up: starting serve") < text.index("up: starting loadgen")
     assert "shutting down (SIGINT)" in text and f"logs are in {run_dir}/logs/" in text
+    assert "up: serve exited with code -9; restarting it (1/5)" in text
     # children stopped in reverse order of their start
     assert (
         text.index("up: loadgen: stopped")

@@ -11,6 +11,7 @@ Layout of a buffer directory ``root``::
       {writer_id}-{seq:08d}.parquet     published shards (immutable once visible)
       .{writer_id}-{seq:08d}.parquet.tmp in-flight shard (hidden, ignored by readers)
       _writers/{writer_id}.seq          last sequence number reserved by that writer
+      _journal/{writer_id}.arrows       rows appended since that writer's last shard (Arrow IPC, fsynced)
       _ledger.jsonl                     reader ledger (default location)
       _quarantine/                      torn / empty / foreign shards + ``<name>.reason.txt``
       _compacted/                       archives written by ``retain("compact")``
@@ -28,9 +29,12 @@ Guarantees and limits:
 * Sequence numbers are never reused: each flush first reserves its number in
   ``_writers/{writer_id}.seq`` (fsynced), so a restart continues after the highest of that file
   and the shards present, even when consumed shards have been deleted or moved away.
-* Rows still buffered in memory are lost if the serving process dies (bounded by
-  ``rows_per_shard`` and ``max_age_s``).
-* One live ``ShardWriter`` per ``writer_id`` and one consuming ``ShardReader`` per ledger.
+* A row is durable when ``append`` returns: the writer journals it (``_journal/{writer_id}.arrows``,
+  fsynced) until its shard is published; after a crash (kill -9) the next writer started on the
+  buffer, whatever its id, publishes the dead writer's journal as the shard it was meant to become
+  (not twice: a shard already published, or consumed per the default ledger, is skipped).
+* One live ``ShardWriter`` per ``writer_id`` (a second is refused: the journal's ``flock``) and one
+  consuming ``ShardReader`` per ledger.
 * The ledger makes *consumption* exactly-once; to make training side effects exactly-once, commit
   right after the trainer's state that includes those rows is durable (``commit(..., tag=...)``
   records e.g. the checkpoint step alongside).
