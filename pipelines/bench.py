@@ -144,6 +144,7 @@ def run_engine(
         "tokens_per_s": tokens / wall,
         "tau": (tokens - len(states)) / max(1, rounds),
         "verify_tokens_per_step": engine.stats["verify_tokens"] / max(1, engine.stats["steps"]),
+        "steps": engine.stats["steps"],
         "max_step_tokens": engine.stats["max_step_tokens"],
         "committed_tokens": tokens,
         "wall_s": wall,
@@ -282,6 +283,9 @@ def bench(
         prompts = prompts_by_domain[domain]
         return prompts[: max(min_requests, conc)] if min_requests else prompts
 
+    from adaflash.pipelines.roofline import machine_limits, step_fraction, target_costs
+
+    limits, costs = machine_limits(target.model.dtype), target_costs(target.model)
     vllm_methods = [m for m in methods if is_vllm(m)]
     peers = run_vllm_peers(vllm_methods, [(d, c, cell_prompts(d, c)) for d, c in cells], max_new, vllm) if vllm_methods else {}
     methods_here = [m for m in methods if not is_vllm(m)]
@@ -315,6 +319,8 @@ def bench(
                 concurrency=conc,
                 tokens_per_s_runs=tps,
                 speedup_vs_ar=statistics.median(ratios) if ratios else None,
+                of_limit=step_fraction(r["verify_tokens_per_step"], r["wall_s"] / r["steps"], costs, limits) if r.get("steps") else None,
+                machine_limits=limits,
                 peak_rss_mib=round(rss),
             )
             rows.append(r)
@@ -326,25 +332,37 @@ def bench(
     return rows
 
 
+def limits_text(rows: list[dict]) -> str:
+    lim = next((r["machine_limits"] for r in rows if r.get("machine_limits")), None)
+    if lim is None:
+        return ""
+    return (
+        f" (measured: matmul {lim['gflops']:.0f} GFLOP/s, memory {lim['gbps']:.1f} GB/s; 'of limit' = the step time "
+        "the target's linear layers need at those rates over the measured step time)"
+    )
+
+
 def report_markdown(rows: list[dict], meta: dict) -> str:
     repeats = meta.get("repeats", 1)
     lines = [
         f"Command: `{meta['command']}`",
         "",
-        f"Machine: {meta['machine']}; max_new_tokens {meta['max_new_tokens']}; "
+        f"Machine: {meta['machine']}{limits_text(rows)}; max_new_tokens {meta['max_new_tokens']}; "
         f"token budget {meta['token_budget']}"
         + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else ""),
         "",
-        "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | tau | verify tok/step | max step tok "
+        "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | of limit | tau | verify tok/step | max step tok "
         "| p50 ms/tok | p95 ms/tok | requests | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     ms = lambda x: None if x is None else 1000 * x  # noqa: E731
+    pct = lambda x: None if x is None else 100 * x  # noqa: E731
     for r in rows:
         lines.append(
             f"| {r['domain']} | {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | "
-            f"{fmt(r['speedup_vs_ar'], '.2f')}x | {fmt(r.get('vs_best_peer'), '.2f')}x | {fmt(r['tau'], '.2f')} | "
+            f"{fmt(r['speedup_vs_ar'], '.2f')}x | {fmt(r.get('vs_best_peer'), '.2f')}x | {fmt(pct(r.get('of_limit')), '.0f')}% | "
+            f"{fmt(r['tau'], '.2f')} | "
             f"{fmt(r['verify_tokens_per_step'], '.1f')} | {fmt(r.get('max_step_tokens'), 'd')} | "
             f"{fmt(ms(r['latency_per_token_p50']), '.0f')} | {fmt(ms(r['latency_per_token_p95']), '.0f')} | "
             f"{r['n_requests']} | {r['peak_rss_mib']} |"

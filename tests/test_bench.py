@@ -109,6 +109,10 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     ratios = sorted(f / a for f, a in zip(fixed["tokens_per_s_runs"], ar["tokens_per_s_runs"]))
     assert fixed["speedup_vs_ar"] == ratios[1]
     assert "3 repeats per cell" in (tmp_path / "b3" / "report.md").read_text()
+    # the roofline: each engine row says what fraction of the measured machine limit its steps reach
+    lim = ar["machine_limits"]
+    assert lim["gflops"] > 0 and lim["gbps"] > 0 and 0 < ar["of_limit"] <= 1.0 and 0 < fixed["of_limit"] <= 1.0
+    assert "GFLOP/s" in (tmp_path / "b3" / "report.md").read_text()
     assert main(["bench", *common, "--repeats", "0"]) == 2
 
 
@@ -130,3 +134,16 @@ def test_fit_head_on_a_shorter_block_then_serve_it(tiny_hf_dir, tiny_drafter_dir
     rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert rows["head"]["committed_tokens"] == rows["ar"]["committed_tokens"]
     assert rows["head"]["max_step_tokens"] <= 2 * 3
+
+
+def test_roofline_costs_count_each_linear_weight_once():
+    import torch
+    from adaflash.pipelines.roofline import step_fraction, target_costs
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+    net[1].weight = torch.nn.Parameter(net[0].weight.t().contiguous())
+    tied = torch.nn.ModuleList([net[0], net[0]])  # one weight reached twice counts once
+    assert target_costs(tied) == {"flops_per_token": 2 * 128, "bytes_per_step": 128 * 4}
+    costs, limits = {"flops_per_token": 2e9, "bytes_per_step": 1e9}, {"gflops": 100.0, "gbps": 10.0}
+    assert step_fraction(1, 0.2, costs, limits) == 0.5  # memory-bound: reading 1 GB at 10 GB/s takes 0.1 s
+    assert step_fraction(100, 4.0, costs, limits) == 0.5  # compute-bound: 200 GFLOP at 100 GFLOP/s take 2 s
