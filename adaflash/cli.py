@@ -59,7 +59,8 @@ def read_prompts_file(path: Path) -> list[dict]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from adaflash.drafter import load_drafter
-    from adaflash.generate import check_length, generate_ar, generate_dflash
+    from adaflash.engine import single_request_engine
+    from adaflash.pipelines.evaluate import acceptance
     from adaflash.target import load_target
 
     if (args.prompt is None) == (args.prompts_file is None):
@@ -91,45 +92,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.lookup and not tree:
         raise UsageError("--lookup grafts a prompt-lookup branch into a token tree: greedy decoding with --tree N (the CPU default) only")
     lookup = (LOOKUP if args.lookup is None else args.lookup) if tree else 0
+    if drafter is None:
+        tree = lookup = 0
+    engine = single_request_engine(target.model, drafter, target.eos_ids, verify_len, tree, lookup)  # the engine at batch 1
     for i, item in enumerate(items):
         ids = target.encode_chat(item["messages"])
         try:
-            check_length(target.model, len(ids), args.max_new_tokens, drafter.block_size if drafter else 1)
-        except ValueError as e:
+            st = engine.generate(ids, args.max_new_tokens, args.temperature, args.seed)
+        except ValueError as e:  # the prompt does not fit the context
             raise UsageError(f"prompt {i + 1}: {e}") from None
-        if drafter is None:
-            res = generate_ar(target.model, ids, args.max_new_tokens, target.eos_ids, args.temperature, args.seed)
-        else:
-            res = generate_dflash(
-                target.model,
-                drafter,
-                ids,
-                args.max_new_tokens,
-                target.eos_ids,
-                args.temperature,
-                args.seed,
-                verify_len=verify_len,
-                tree=tree or None,
-                lookup=lookup,
-            )
-        text = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+        text = target.tokenizer.decode(st.out, skip_special_tokens=True)
+        tokens_per_s = len(st.out) / st.wall_s
         if args.json:
+            drafted, accepted = acceptance(st.rounds, engine.k_blk - 1)
             print(
                 json.dumps(
                     {
                         "index": i,
                         "domain": item["domain"],
                         "method": args.method,
-                        "output_ids": res.output_ids,
+                        "output_ids": st.out,
                         "text": text,
                         "tree": (tree or None) if drafter else None,
                         "lookup": lookup if drafter else None,
-                        "tau": round(res.tau, 3),
-                        "target_forwards": res.target_forwards,
-                        "tokens": len(res.output_ids),
-                        "wall_s": round(res.wall_s, 3),
-                        "tokens_per_s": round(len(res.output_ids) / res.wall_s, 2),
-                        "accept_by_position": [None if a != a else round(a, 3) for a in res.accept_by_position],
+                        "tau": round(st.tau, 3),
+                        "target_forwards": len(st.rounds) + 1,
+                        "tokens": len(st.out),
+                        "wall_s": round(st.wall_s, 3),
+                        "tokens_per_s": round(tokens_per_s, 2),
+                        "accept_by_position": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted)],
                     }
                 ),
                 flush=True,
@@ -137,9 +128,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(text)
             print(
-                f"--- {args.method}: {len(res.output_ids)} tokens in {res.wall_s:.2f}s "
-                f"({len(res.output_ids) / res.wall_s:.1f} tok/s), tau {res.tau:.2f}, "
-                f"{res.target_forwards} target forwards",
+                f"--- {args.method}: {len(st.out)} tokens in {st.wall_s:.2f}s ({tokens_per_s:.1f} tok/s), "
+                f"tau {st.tau:.2f}, {len(st.rounds) + 1} target forwards",
                 file=sys.stderr,
             )
     return 0
@@ -193,7 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in methods if not known_method(m)]
     if bad:
         raise UsageError(
-            f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK, "
+            f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS)}, fixedK, treeN, "
             "a method + '-lookup' (prompt lookup), or a drafting method + '-fullvocab'"
         )
     try:
@@ -395,9 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--methods",
         default="ar,fixed,ema,head,hf,hf-pld",
-        help="ar, fixed, fixedK, ema, head, hf, hf-pld; an engine method + '-lookup' (head-lookup) adds "
-        "prompt lookup (ar-lookup: lookup alone); a drafting method + '-fullvocab' (head-fullvocab) "
-        "ignores the drafter's draft vocabulary",
+        help="ar, fixed, fixedK, ema, head, treeN (greedy token trees of N nodes), hf, hf-pld; an engine method "
+        "+ '-lookup' (head-lookup) adds prompt lookup (ar-lookup: lookup alone; tree8-lookup grafts it into "
+        "each tree); a drafting method + '-fullvocab' (head-fullvocab) ignores the drafter's draft vocabulary",
     )
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     b.add_argument("--max-new-tokens", type=int, default=128)

@@ -19,6 +19,7 @@ import requests
 import torch
 from adaflash.pipelines.prompts import load_domain
 from adaflash.server.vllm_backend import vllm_python
+from conftest import greedy_reference
 from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
@@ -26,7 +27,6 @@ from adaflash.cli import DEFAULT_DRAFTER
 from adaflash.dflash_format import export_dflash
 from adaflash.drafter import load_drafter
 from adaflash.engine import Engine, FixedPolicy, Request
-from adaflash.generate import generate_ar
 from adaflash.registry import Registry, bootstrap
 from adaflash.target import load_target, stock_hf_dir
 
@@ -162,7 +162,7 @@ def test_openai_api_on_vllm_equals_plain_decoding(served, target):
     url, client, _, finished, _, _ = served
     _wait_version(url, "1", 60)
     ids = target.encode_chat(Q)
-    want = target.tokenizer.decode(generate_ar(target.model, ids, MAX_TOKENS, target.eos_ids).output_ids, skip_special_tokens=True)
+    want = target.tokenizer.decode(greedy_reference(target.model, ids, MAX_TOKENS, target.eos_ids), skip_special_tokens=True)
     for stream in (False, True):
         text, stats, rid = _chat(client, target, Q, stream)
         assert text == want
