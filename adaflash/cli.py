@@ -1,6 +1,7 @@
 """`adaflash` command line: one entry point, one subcommand per job.
 
 adaflash generate   plain or speculative generation for prompts (text or JSONL), with statistics
+adaflash eval       plain decoding vs DFlash chains and trees on the eval prompts, for any drafter directory
 adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
 adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
 adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, transformers peers)
@@ -133,6 +134,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from adaflash.pipelines.evaluate import eval_command
+
+    return eval_command(args)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -367,6 +374,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser(
+        "eval",
+        help="single-request eval of a drafter: plain decoding vs DFlash chains and trees, side by side",
+        description="Runs plain decoding and every DFlash variant (chains of --verify-lens tokens, token trees of "
+        "--trees nodes, each tree with a prompt-lookup branch of every --lookup length) through the engine at "
+        "batch 1, interleaved per prompt, on the first --per-domain eval prompts of each domain. Writes "
+        "eval.json, eval.md (tau, tok/s, speedup, identical greedy output) and accept_by_position.png into "
+        "--out; the pretraining pipeline's eval stage writes the same report. Example: adaflash eval --drafter "
+        "models/drafter-smollm2 --domains gsm8k --per-domain 12 --verify-lens 6 --trees 8 --lookup 0 8",
+    )
+    e.add_argument("--drafter", required=True, help="drafter directory (AdaFlash's format or DFlash's; not modified)")
+    e.add_argument("--domains", nargs="+", default=["gsm8k", "humaneval", "aime"], help="prompt domains")
+    e.add_argument("--per-domain", type=int, default=16, help="eval prompts per domain (the first N of the split)")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--verify-lens", nargs="*", type=int, default=[16], help="chains to run: tokens verified per round incl. the anchor")
+    e.add_argument("--trees", nargs="*", type=int, default=[], help="greedy token trees to run, by node count")
+    e.add_argument("--lookup", nargs="+", type=int, default=[0], help="each tree with a prompt-lookup branch of these lengths (0 = none)")
+    e.add_argument("--out", default="runs/eval", help="report folder")
+    e.add_argument("--prompt-sets", default="runs/pretrain-smollm2/prompts", help="folder of eval.parquet (built if missing)")
+    e.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"], help="target dtype")
+    e.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"])
+    e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser(
         "pretrain",

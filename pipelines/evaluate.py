@@ -6,7 +6,7 @@ machine noise hits all alike); greedy outputs are checked token for token. Varia
 lengths) and greedy token trees (`trees`, node counts; each also with a prompt-lookup branch of every
 length in `lookup` > 0). Reports tau, acceptance by block position (a tree's: along the path its
 verification walked) and the wall-clock speedup per domain. The pretraining pipeline's `eval` stage
-runs `run_eval`.
+and `adaflash eval --drafter DIR` both run `run_eval`.
 """
 
 from __future__ import annotations
@@ -134,6 +134,15 @@ def run_eval(
     report = evaluate(tgt, drafter, records, cfg.max_new_tokens, cfg.verify_lens, cfg.trees, cfg.lookup)
     write_report(report, Path(out_dir))
     return report
+
+
+def eval_command(args) -> int:
+    """`adaflash eval`: the single-request eval of any drafter directory, report into --out."""
+    cfg = EvalSection(args.domains, args.per_domain, args.max_new_tokens, args.verify_lens, args.trees, args.lookup, args.drafter_dtype)
+    report = run_eval(cfg, args.drafter, args.prompt_sets, args.out, args.target, args.dtype)
+    print(markdown(report))
+    print(f"[eval] {Path(args.out) / 'eval.json'}, eval.md, accept_by_position.png")
+    return 0
 
 
 def markdown(report: dict) -> str:
