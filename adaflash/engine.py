@@ -8,11 +8,20 @@ packed target forward (ragged: no padding to the longest), commits accepted + 1 
 retires finished requests. Requests join and leave between steps. Greedy output equals
 single-request output; sampling is lossless.
 
+Token trees (`tree` N > 0, greedy requests only): a request verifies the N most likely paths through
+its drafter's block (spec.build_tree) as a token tree in the same packed forward (each node attends to
+its ancestors, spec.tree_mask), walks down the accepted path (spec.verify_tree_greedy) and keeps only
+that path's K/V; the verify-length policy then decides for sampling requests alone, which verify
+chains (a lossless multi-candidate rule would need candidates drawn from q, not its top tokens).
+
 Prompt lookup (`lookup` L > 0): a request whose text ends in an n-gram (at least `lookup_min`
-tokens) that occurred earlier in its prompt or output verifies the up to L tokens that followed it
-(spec.lookup_chain) instead of drafting: it skips the drafter pass and the verify-length policy that
+tokens) that occurred earlier in its prompt or output proposes the up to L tokens that followed it
+(spec.lookup_chain). A tree grafts this chain into itself as one more path (spec.graft); a chain
+request verifies it instead of drafting, skipping the drafter pass and the verify-length policy that
 step. Sampling stays lossless (the chain is a deterministic proposal, q = one-hot). The trajectory
-buffer gets drafter rounds only.
+buffer gets drafter rounds only (a tree round is one: its drafter drafted at that anchor).
+
+Single-request generation (`adaflash generate`, the pretraining eval) is this engine at batch 1.
 
 Admission is bounded by a token budget per step: an exponential moving average of each request's
 recent verify lengths estimates its next demand, and verify lengths are trimmed if a step would
@@ -40,7 +49,7 @@ from typing import Callable
 import torch
 
 from adaflash.drafter import Drafter
-from adaflash.spec import lookup_chain, pick, propose, verify
+from adaflash.spec import build_tree, graft, lookup_chain, pick, propose, tree_mask, verify, verify_tree_greedy
 from adaflash.target import KVCache, TargetModel
 
 
@@ -60,7 +69,7 @@ class Round:
     """One verification round of one request (what the trajectory buffer records)."""
 
     anchor: int  # position of the block's first token in prompt + output
-    draft: list[int]  # drafts verified this round
+    draft: list[int]  # drafts verified this round (a tree round: its walk's path, the accepted nodes + the best child after them)
     target: list[int]  # the target's greedy token at each of those positions
     accepted: int
     verify_len: int  # tokens verified incl. the anchor
@@ -98,6 +107,30 @@ class RequestState:
     @property
     def tau(self) -> float:
         return (len(self.out) - 1) / len(self.rounds) if self.rounds else 1.0
+
+    @property
+    def wall_s(self) -> float:
+        """Admission (prefill included) to the end of the step that finished the request."""
+        return self.t_done - self.t_start
+
+
+@dataclass
+class _Plan:
+    """One running request's round within a step, filled in phase by phase (_plan, _draft, _propose, _verify)."""
+
+    st: RequestState
+    kind: str  # "tree" (greedy token tree), "lookup" (verify `chain` instead of drafting), "draft" (a drafter chain), "plain"
+    chain: list[int]  # prompt-lookup proposal ([] = none); a tree grafts it in
+    budget: int  # drafts that could still be committed: max_new_tokens - len(out) - 1
+    verify_len: int = 1  # tokens verified incl. the anchor
+    pred: float = float("nan")  # length-head prediction
+    hidden: torch.Tensor | None = None  # [L, H] drafter block states
+    rows: int = 0  # block positions whose draft logits are needed (a tree's depth)
+    logits: torch.Tensor | None = None  # [rows, Vd] draft logits
+    draft: torch.Tensor | None = None  # [k] chain drafts, or [N] tree node tokens
+    q: torch.Tensor | None = None  # [k, V] proposal distribution when sampling
+    parents: torch.Tensor | None = None  # [N] tree node parents (0 = the anchor)
+    mask: torch.Tensor | None = None  # [N+1, N+1] tree ancestor mask over [anchor, nodes]
 
 
 class VerifyPolicy(ABC):
@@ -198,12 +231,15 @@ class Engine:
         version: str = "0",
         lookup: int = 0,
         lookup_min: int = 2,
+        tree: int = 0,
     ):
         if policy.drafts and drafter is None:
             raise ValueError(f"policy {policy.name} needs a drafter")
         if lookup < 0 or not 1 <= lookup_min <= 3:
             raise ValueError(f"lookup must be >= 0 (got {lookup}) and lookup_min 1..3 (got {lookup_min})")
-        self.lookup, self.lookup_min = lookup, lookup_min
+        if tree < 0 or (tree and not policy.drafts):
+            raise ValueError(f"tree must be >= 0 (got {tree}) and needs a drafting policy (got {policy.name})")
+        self.lookup, self.lookup_min, self.tree = lookup, lookup_min, tree
         self.target, self.policy = target, policy
         self.slot = DrafterSlot(drafter, head, version)
         self._lock = threading.Lock()
@@ -213,7 +249,8 @@ class Engine:
         self.max_batch, self.token_budget, self.ema_alpha = max_batch, token_budget, ema_alpha
         self.keep_hidden = keep_hidden
         self.k_blk = drafter.block_size if drafter is not None else 1
-        self.max_verify = max(self.k_blk, lookup + 1)  # the most tokens a request appends in one step
+        tree_len = 1 + tree + min(lookup, self.k_blk - 1) if tree else 0
+        self.max_verify = max(self.k_blk, lookup + 1, tree_len)  # the most tokens a request appends in one step
         self.waiting: deque[Request] = deque()
         self.running: list[RequestState] = []
         self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "max_step_tokens": 0, "swaps": 0}
@@ -350,104 +387,157 @@ class Engine:
         self.stats["steps"] += 1
         return done
 
-    def _chains(self, active: list[RequestState]) -> list[list[int]]:
-        """Prompt-lookup chain per request ([] = none, or lookup off), never past max_new_tokens."""
-        if not self.lookup:
-            return [[] for _ in active]
-        return [
-            lookup_chain(s.req.prompt_ids + s.out, min(self.lookup, s.req.max_new_tokens - len(s.out) - 1), min_ngram=self.lookup_min)
-            for s in active
-        ]
+    def _plan(self, st: RequestState) -> _Plan:
+        """How this request's round goes: a greedy request of a tree engine verifies a token tree (with
+        its lookup chain grafted in); otherwise a lookup chain replaces drafting, or the drafter drafts."""
+        budget = st.req.max_new_tokens - len(st.out) - 1  # drafts that could still be committed
+        tree = self.tree > 0 and st.req.temperature <= 0
+        chain = []
+        if self.lookup:
+            n = min(self.lookup, budget, self.k_blk - 1) if tree else min(self.lookup, budget)
+            chain = lookup_chain(st.req.prompt_ids + st.out, n, min_ngram=self.lookup_min)
+        if tree:
+            kind = "tree" if budget > 0 else "plain"
+        elif chain:
+            kind = "lookup"
+        else:
+            kind = "draft" if self.policy.drafts else "plain"
+        return _Plan(st, kind, chain, budget)
 
     def _speculate(self, active: list[RequestState]) -> None:
-        k_blk = self.k_blk
+        """One round for every active request: plan, draft, size to the token budget, propose, verify all
+        of them in one packed target forward, commit, and grow the drafters' contexts."""
+        plans = [self._plan(s) for s in active]
+        self._draft(plans)
+        for p in plans:  # chains never verify past max_new_tokens (a tree caps its depth instead)
+            if p.kind != "tree":
+                p.verify_len = max(1, min(p.verify_len, p.budget + 1))
+        for p, n in zip(plans, self._fit_budget([p.verify_len for p in plans])):
+            p.verify_len = n
+        self._propose(plans)
         dev = self.target.lm_head.weight.device
-        last = torch.tensor([s.out[-1] for s in active], device=dev)
-        chains = self._chains(active)
-        drafting = [i for i, c in enumerate(chains) if not c] if self.policy.drafts else []
-        groups = self._groups(active, drafting)  # drafting requests per live drafter (several only around a swap)
-        lens, preds = [1] * len(active), [float("nan")] * len(active)
-        hidden: list[torch.Tensor | None] = [None] * len(active)
-        if not self.policy.drafts:
-            lens, preds = self.policy.lengths(active, None, k_blk)
-        for slot, idx in groups:
-            hd = slot.drafter.draft_many([active[i].dcache for i in idx], last[idx], self.policy.draft_len(k_blk, slot.head))  # [r, L, H]
-            gl, gp = self.policy.lengths([active[i] for i in idx], hd, k_blk)
-            for j, i in enumerate(idx):
-                hidden[i], lens[i], preds[i] = hd[j], gl[j], gp[j]
-        for i, c in enumerate(chains):
-            if c:
-                lens[i] = 1 + len(c)
-        lens = [max(1, min(n, s.req.max_new_tokens - len(s.out))) for n, s in zip(lens, active)]  # never past the budget
-        lens = self._fit_budget(lens)
-        draft_logits = self._draft_logits(groups, hidden, lens)
-        drafts, qs = [], []
-        vocab_size = self.target.config.vocab_size
-        for i, (s, n) in enumerate(zip(active, lens)):
-            d, q = torch.zeros(0, dtype=torch.long, device=dev), None
-            if chains[i]:
-                d = torch.tensor(chains[i][: n - 1], dtype=torch.long, device=dev)
-                if s.req.temperature > 0:  # a deterministic proposal: q is one-hot on it
-                    q = torch.zeros(len(d), vocab_size, device=dev).scatter_(1, d[:, None], 1.0)  # [k, V]
-            elif n > 1:
-                dr = s.slot.drafter
-                d, q = propose(draft_logits[i][: n - 1], s.req.temperature, s.gen, dr.vocab, dr.vocab_size)  # [k], [k, V] or None
-            drafts.append(d)
-            qs.append(q)
-        inputs = [torch.cat([last[i : i + 1], d]) for i, d in enumerate(drafts)]
-        logits, feats = self.target.forward_packed(inputs, [s.tcache for s in active])
-        self.stats["verify_tokens"] += sum(lens)
-        self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], sum(lens))
-        accepted, new_feats = [], []
-        for i, s in enumerate(active):
-            d, lg, k = drafts[i], logits[i], lens[i] - 1  # lg: [k+1, V]
-            n, nxt = verify(d, qs[i], lg, s.req.temperature, s.gen)
-            t_ns = time.time_ns()
-            s.tcache.crop(s.tcache.length - (k - n))
-            new_feats.append(feats[i][: 1 + n])
-            before = len(s.out)
-            s.rounds.append(
-                Round(
-                    anchor=len(s.req.prompt_ids) + before - 1,
-                    draft=d.tolist(),
-                    target=lg[:k].argmax(-1).tolist(),
-                    accepted=n,
-                    verify_len=lens[i],
-                    pred=preds[i],
-                    t_ns=t_ns,
-                    hidden=hidden[i].clone() if self.keep_hidden and hidden[i] is not None else None,
-                    source="lookup" if chains[i] else "drafter",
-                )
-            )
-            self._commit(s, d[:n].tolist() + [nxt])
-            self.stats["committed"] += len(s.out) - before
-            s.ema_verify = (1 - self.ema_alpha) * s.ema_verify + self.ema_alpha * lens[i]
-            accepted.append(n)
+        inputs = [torch.cat([torch.tensor(p.st.out[-1:], device=dev), p.draft]) for p in plans]  # [verify_len] each
+        logits, feats = self.target.forward_packed(inputs, [p.st.tcache for p in plans], trees=[p.mask for p in plans])
+        tokens = sum(p.verify_len for p in plans)
+        self.stats["verify_tokens"] += tokens
+        self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], tokens)
+        new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
         if self.policy.drafts:
-            for slot, idx in self._groups(active, range(len(active))):  # every request's context grows
-                slot.drafter.extend_many([new_feats[i] for i in idx], [active[i].dcache for i in idx])
-        self.policy.observe([active[i] for i in drafting], [accepted[i] for i in drafting])
+            for slot, idx in self._groups(plans, range(len(plans))):  # every request's context grows
+                slot.drafter.extend_many([new_feats[i] for i in idx], [plans[i].st.dcache for i in idx])
+        chains = [p for p in plans if p.kind == "draft"]
+        self.policy.observe([p.st for p in chains], [p.st.rounds[-1].accepted for p in chains])
+
+    def _draft(self, plans: list[_Plan]) -> None:
+        """One drafter pass per live drafter and kind: a tree drafts the whole block (its nodes are the
+        best paths through every position's candidates), a chain the block the policy asks for; the
+        policy then picks each chain's verify length from the block states. A lookup round verifies
+        its chain."""
+        dev = self.target.lm_head.weight.device
+        for p in plans:
+            if p.kind == "lookup":
+                p.verify_len = 1 + len(p.chain)
+        for kind in ("tree", "draft"):
+            for slot, idx in self._groups(plans, [i for i, p in enumerate(plans) if p.kind == kind]):
+                group = [plans[i] for i in idx]
+                length = self.k_blk if kind == "tree" else self.policy.draft_len(self.k_blk, slot.head)
+                last = torch.tensor([p.st.out[-1] for p in group], device=dev)
+                hidden = slot.drafter.draft_many([p.st.dcache for p in group], last, length)  # [r, L, H]
+                if kind == "tree":
+                    lens, preds = [1 + self.tree + len(p.chain) for p in group], [float("nan")] * len(group)
+                else:
+                    lens, preds = self.policy.lengths([p.st for p in group], hidden, self.k_blk)
+                for p, h, n, pred in zip(group, hidden, lens, preds):
+                    p.hidden, p.verify_len, p.pred = h, n, pred
+
+    def _propose(self, plans: list[_Plan]) -> None:
+        """Each request's tokens to verify: its lookup chain; drafts from its drafter's logits at the
+        positions it verifies; or a tree of the drafter's `tree` best paths with the lookup chain grafted
+        in (fewer nodes when the token budget trimmed its verify length)."""
+        for p in plans:
+            if p.kind == "tree":
+                p.chain = p.chain[: max(0, p.verify_len - 2)]  # the budget trims the chain first, keeping one node
+                nodes = p.verify_len - 1 - len(p.chain)
+                if nodes < 1:
+                    p.kind = "plain"  # trimmed to the anchor alone
+                p.rows = min(self.k_blk - 1, p.budget, max(0, nodes))  # the tree's depth: never past max_new_tokens
+            elif p.kind == "draft":
+                p.rows = p.verify_len - 1
+        self._draft_logits(plans)
+        dev = self.target.lm_head.weight.device
+        vocab_size = self.target.config.vocab_size
+        for p in plans:
+            st, dr = p.st, p.st.slot.drafter
+            p.draft = torch.zeros(0, dtype=torch.long, device=dev)
+            if p.kind == "tree":
+                tokens, p.parents = graft(*build_tree(p.logits, p.verify_len - 1 - len(p.chain), dr.vocab), p.chain)  # [N], [N]
+                p.draft, p.mask = tokens.to(dev), tree_mask(p.parents)  # [N], [N+1, N+1]
+                p.verify_len = 1 + len(tokens)
+            elif p.kind == "lookup":
+                p.draft = torch.tensor(p.chain[: p.verify_len - 1], dtype=torch.long, device=dev)  # [k]
+                if st.req.temperature > 0:  # a deterministic proposal: q is one-hot on it
+                    p.q = torch.zeros(len(p.draft), vocab_size, device=dev).scatter_(1, p.draft[:, None], 1.0)  # [k, V]
+            elif p.kind == "draft" and p.verify_len > 1:
+                p.draft, p.q = propose(p.logits, st.req.temperature, st.gen, dr.vocab, dr.vocab_size)  # [k], [k, V] or None
+            elif p.kind == "plain":
+                p.verify_len = 1
+
+    def _verify(self, p: _Plan, logits: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Accept (logits [verify_len, V] over [anchor, drafts or nodes]), keep only the committed inputs'
+        K/V in the target cache, record the round and commit; -> those inputs' features [1 + n, n*H]."""
+        st = p.st
+        if p.mask is not None:
+            path, nxt = verify_tree_greedy(p.draft, p.parents, logits)
+            keep = [0] + path  # the anchor, then the accepted nodes
+            st.tcache.keep(st.tcache.length - p.verify_len, keep)
+            tokens, parents = p.draft.tolist(), p.parents.tolist()
+            child = next((i for i, q in enumerate(parents, 1) if q == keep[-1]), None)  # the best candidate where it stopped
+            walked = path + ([child] if child is not None else [])
+            draft = [tokens[i - 1] for i in walked]  # the path the walk took, as a chain
+            target = logits[keep[: len(walked)]].argmax(-1).tolist()  # the target's token after each one's parent
+        else:
+            k = p.verify_len - 1
+            n, nxt = verify(p.draft, p.q, logits, st.req.temperature, st.gen)
+            st.tcache.crop(st.tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
+            keep = list(range(1 + n))
+            draft, target = p.draft.tolist(), logits[:k].argmax(-1).tolist()
+        n = len(keep) - 1
+        before = len(st.out)
+        st.rounds.append(
+            Round(
+                anchor=len(st.req.prompt_ids) + before - 1,
+                draft=draft,
+                target=target,
+                accepted=n,
+                verify_len=p.verify_len,
+                pred=p.pred,
+                t_ns=time.time_ns(),
+                hidden=p.hidden.clone() if self.keep_hidden and p.hidden is not None else None,
+                source="lookup" if p.kind == "lookup" else "drafter",
+            )
+        )
+        self._commit(st, draft[:n] + [nxt])
+        self.stats["committed"] += len(st.out) - before
+        st.ema_verify = (1 - self.ema_alpha) * st.ema_verify + self.ema_alpha * p.verify_len
+        return feats[keep]
 
     @staticmethod
-    def _draft_logits(groups, hidden: list[torch.Tensor], lens: list[int]) -> list[torch.Tensor | None]:
-        """Draft logits only for the positions each request verifies: hidden[i] [K, H] -> [lens[i]-1, Vd].
-        One LM-head call per drafter over the packed rows."""
-        out: list[torch.Tensor | None] = [None] * len(hidden)
-        for slot, idx in groups:
-            idx = [i for i in idx if lens[i] > 1]
-            if not idx:
-                continue
-            rows = torch.cat([hidden[i][1 : lens[i]] for i in idx])  # [sum(len-1), H]
-            for i, lg in zip(idx, slot.drafter.logits(rows).split([lens[i] - 1 for i in idx])):
-                out[i] = lg  # [lens[i]-1, Vd] over the drafter's draft vocabulary
-        return out
+    def _draft_logits(plans: list[_Plan]) -> None:
+        """Draft logits only for the block positions each request needs: p.hidden [L, H] -> p.logits
+        [rows, Vd] over its drafter's draft vocabulary (position 0, the anchor, has none). One LM-head
+        call per drafter over the packed rows."""
+        for slot, idx in Engine._groups(plans, [i for i, p in enumerate(plans) if p.rows > 0]):
+            rows = torch.cat([plans[i].hidden[1 : 1 + plans[i].rows] for i in idx])  # [sum(rows), H]
+            for i, lg in zip(idx, slot.drafter.logits(rows).split([plans[i].rows for i in idx])):
+                plans[i].logits = lg
 
     @staticmethod
-    def _groups(active: list[RequestState], idx) -> list[tuple[DrafterSlot, list[int]]]:
-        """Indices `idx` of `active` grouped by their drafter slot."""
+    def _groups(plans: list[_Plan], idx) -> list[tuple[DrafterSlot, list[int]]]:
+        """Indices `idx` of `plans` grouped by their request's drafter slot."""
         groups: dict[int, tuple[DrafterSlot, list[int]]] = {}
         for i in idx:
-            groups.setdefault(id(active[i].slot), (active[i].slot, []))[1].append(i)
+            slot = plans[i].st.slot
+            groups.setdefault(id(slot), (slot, []))[1].append(i)
         return list(groups.values())
 
     def _fit_budget(self, lens: list[int]) -> list[int]:
@@ -470,6 +560,11 @@ class Engine:
             st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds, domain=st.req.domain
         )
 
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> RequestState:
+        """Single-request generation: one request through the (idle) engine, stepped until it finishes."""
+        (st,) = self.run([Request("generate", list(prompt_ids), max_new_tokens, temperature, seed)])
+        return st
+
     def run(self, requests: list[Request]) -> list[RequestState]:
         """Submit all, step until every request finished; -> states in submission order."""
         for r in requests:
@@ -479,3 +574,21 @@ class Engine:
         while not self.idle:
             done += self.step()
         return sorted(done, key=lambda s: order[s.req.request_id])
+
+
+def single_request_engine(
+    target: TargetModel,
+    drafter: Drafter | None,
+    eos_ids: list[int],
+    verify_len: int | None = None,
+    tree: int = 0,
+    lookup: int = 0,
+    lookup_min: int = 1,
+) -> Engine:
+    """The engine as single-request generation runs it (batch 1, no token budget below the context):
+    plain decoding without a drafter; else a chain of `verify_len` tokens (default the whole block) or,
+    for greedy requests, a token tree of `tree` nodes with a prompt-lookup branch of up to `lookup` tokens
+    grafted in (matches of `lookup_min`..3 tokens)."""
+    policy = ARPolicy() if drafter is None else FixedPolicy(verify_len)
+    ctx = target.config.max_position_embeddings
+    return Engine(target, drafter, policy, eos_ids, max_batch=1, token_budget=ctx, lookup=lookup, lookup_min=lookup_min, tree=tree)

@@ -135,7 +135,7 @@ class KVCache:
 
     def keep(self, start: int, slots: list[int]) -> None:
         """Keep only the new slots start + slots[i] (in order) of the last append (a tree's accepted
-        path), moved to start + i; all rows valid (single-request trees)."""
+        path), moved to start + i; all rows valid (the engine's caches hold one request each)."""
         idx = torch.tensor(slots, device=self.valid.device) + start
         m = len(slots)
         for t in self.k + self.v:
@@ -189,11 +189,8 @@ class TargetModel(nn.Module):
         cache: KVCache,
         valid: torch.Tensor | None = None,  # [B, T] bool, False for left padding
         logits_last_only: bool = False,
-        tree: torch.Tensor | None = None,  # [T, T] bool ancestor mask: the new tokens form a token tree
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `input_ids` to the cache; return (logits [B, T or 1, V] fp32, features [B, T, n*H]).
-        With `tree` (spec.tree_mask), new token i attends to the cache and to the new tokens j with
-        tree[i, j] only, at RoPE position next_pos + depth; keep one path with `KVCache.keep`."""
+        """Append `input_ids` to the cache; return (logits [B, T or 1, V] fp32, features [B, T, n*H])."""
         b, t = input_ids.shape
         dev = input_ids.device
         if valid is None:
@@ -204,10 +201,6 @@ class TargetModel(nn.Module):
         slots = torch.arange(end, device=dev)
         qslots = torch.arange(start, end, device=dev)
         causal = slots[None, :] <= qslots[:, None]  # [T, S]
-        if tree is not None:
-            tree = tree.to(dev)
-            causal = torch.cat([causal[:, :start], tree], dim=1)  # [T, S]: the cache, then the ancestors
-            positions = positions[:, :1] + tree.sum(1)[None] - 1  # [B, T]: the anchor's position + depth in the tree
         mask = (cache.valid[:, None, :end] & causal[None]) | (slots[None, None, :] == qslots[None, :, None])
         mask = mask[:, None]  # [B, 1, T, S]
         cos, sin = self.rotary(positions, self.dtype)
@@ -231,12 +224,19 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def forward_packed(
-        self, tokens: list[torch.Tensor], caches: list[KVCache], logits_last_only: bool = False
+        self,
+        tokens: list[torch.Tensor],
+        caches: list[KVCache],
+        logits_last_only: bool = False,
+        trees: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Ragged batch: request i appends tokens[i] ([L_i], any L_i) to its own batch-1 cache.
 
         The linear layers run once over all sum(L_i) tokens packed together (no padding to the
-        longest); attention runs per request against its own cache with a causal mask.
+        longest); attention runs per request against its own cache with a causal mask, or with
+        `trees[i]` ([L_i, L_i] ancestor mask, spec.tree_mask) when request i's new tokens form a token
+        tree: token j then attends to the cache and to its ancestors only, at RoPE position
+        next_pos + its depth (keep the accepted path with `KVCache.keep`).
         Returns per request (logits [L_i, V] fp32, features [L_i, n*H]); with `logits_last_only` logits
         [1, V] of the last token only: a prefill needs no more, and SmolLM2's LM head costs ~0.5 ms per
         row on two CPU cores (32 prompts of ~90 tokens: ~1.5 s of logits nobody reads)."""
@@ -246,18 +246,20 @@ class TargetModel(nn.Module):
         bounds = [0]
         for n in lens:
             bounds.append(bounds[-1] + n)
-        slots, pos = [], []
-        for cache, n in zip(caches, lens):
-            start, p = cache.append(torch.ones(1, n, dtype=torch.bool, device=dev))
+        trees = trees or [None] * len(tokens)
+        slots, pos, masks = [], [], []
+        for cache, n, tree in zip(caches, lens, trees):
+            start, p = cache.append(torch.ones(1, n, dtype=torch.bool, device=dev))  # p: [1, n]
+            keys = torch.arange(start + n, device=dev)
+            seen = keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]  # [n, start+n] causal
+            if tree is not None:
+                tree = tree.to(dev)
+                seen = torch.cat([seen[:, :start], tree], dim=1)  # [n, start+n]: the cache, then the ancestors
+                p = p[:, :1] + tree.sum(1)[None] - 1  # [1, n]: the anchor's position + depth in the tree
             slots.append(start)
             pos.append(p)
+            masks.append((cache.valid[:, None, : start + n] & seen)[:, None])  # [1, 1, n, start+n]
         cos, sin = self.rotary(torch.cat(pos, dim=1), self.dtype)  # [1, 1, N, D]
-        masks = []
-        for cache, start, n in zip(caches, slots, lens):
-            keys = torch.arange(start + n, device=dev)
-            masks.append(
-                (cache.valid[:, None, : start + n] & (keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]))[:, None]
-            )
         x = self.model.embed_tokens(torch.cat(tokens)[None])  # [1, N, H]
         feats = []
         for li, layer in enumerate(self.model.layers):

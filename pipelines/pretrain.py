@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
+from adaflash.pipelines.evaluate import EvalSection
 from tqdm import tqdm
 
 from adaflash.config import to_dict
@@ -94,26 +95,6 @@ class TrainSection:
             raise ValueError(f"train.features must be 'stored' or 'target', got {self.features!r}")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
-
-
-@dataclass
-class EvalSection:
-    domains: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "aime"])
-    per_domain: int = 16
-    max_new_tokens: int = 128
-    verify_lens: list[int] = field(default_factory=lambda: [16])  # tokens verified per round, anchor included
-    trees: list[int] = field(default_factory=list)  # greedy token trees to compare, by node count (spec.build_tree)
-    lookup: list[int] = field(default_factory=lambda: [0])  # each tree also with a prompt-lookup branch of these lengths (0 = none)
-
-    def __post_init__(self):
-        if not self.verify_lens and not self.trees:
-            raise ValueError("eval needs at least one of verify_lens (chains) or trees")
-        if any(v < 1 for v in self.verify_lens) or any(n < 1 for n in self.trees):
-            raise ValueError("eval.verify_lens and eval.trees must be >= 1")
-        if not self.lookup or any(n < 0 for n in self.lookup):
-            raise ValueError("eval.lookup lists prompt-lookup branch lengths >= 0 for the trees (0 = none), e.g. [0, 8]")
-
-    drafter_dtype: str = "auto"  # bf16 where fast: drafts need not be exact, verification (target dtype) is
 
 
 @dataclass
@@ -399,10 +380,8 @@ def stage_device(name: str) -> str:
 
 def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
     """Run the named stages in pipeline order; each stage resumes where it stopped."""
-    from adaflash.pipelines.evaluate import evaluate, write_report
+    from adaflash.pipelines.evaluate import run_eval
     from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
-
-    from adaflash.drafter import load_drafter
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and set(stages) != {"train"}:
         raise ValueError(
@@ -445,11 +424,7 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
             else:
                 summary[stage] = str(export(cfg, target, run_dir))
         elif stage == "eval":
-            target = load_target(cfg.target.source, cfg.target.dtype)
-            drafter = load_drafter(cfg.drafter_out, target.model, target.identity, cfg.eval.drafter_dtype)
-            records = read_prompts(prompts_dir / "eval.parquet", cfg.eval.domains, cfg.eval.per_domain)
-            report = evaluate(target, drafter, records, cfg.eval.max_new_tokens, cfg.eval.verify_lens, cfg.eval.trees, cfg.eval.lookup)
-            write_report(report, Path(cfg.drafter_out))
+            report = run_eval(cfg.eval, cfg.drafter_out, prompts_dir, cfg.drafter_out, cfg.target.source, cfg.target.dtype)
             summary[stage] = {
                 d: {name: {"tau": round(v["tau"], 2), "speedup": round(v["speedup"], 2)} for name, v in r["variants"].items()}
                 for d, r in report["domains"].items()

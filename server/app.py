@@ -73,6 +73,7 @@ def build_engine(cfg: ServeConfig, target):
         version=m.drafter_version,
         lookup=e.lookup,
         lookup_min=e.lookup_min_ngram,
+        tree=e.tree,
     )
 
 

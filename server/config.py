@@ -50,6 +50,8 @@ class EngineSection:
     lookup: int = 4  # prompt lookup: verify up to this many tokens copied from earlier text instead of drafting
     # (0 = off; applies to every policy, so policy ar + lookup is prompt-lookup decoding without a drafter)
     lookup_min_ngram: int = 2  # ... when the text's last N tokens (N = 3 down to this) occurred before
+    tree: int = 0  # greedy requests verify a token tree of this many drafted nodes, the lookup chain grafted in
+    # (0 = chains; the policy then decides for sampling requests only; 8 with lookup 8 is the fastest single request here)
 
     def __post_init__(self):
         _positive(
@@ -65,6 +67,8 @@ class EngineSection:
             raise ValueError(f"engine.lookup must be >= 0 (0 = off), got {self.lookup}")
         if not 1 <= self.lookup_min_ngram <= 3:
             raise ValueError(f"engine.lookup_min_ngram must be 1, 2 or 3, got {self.lookup_min_ngram}")
+        if self.tree < 0:
+            raise ValueError(f"engine.tree must be >= 0 (0 = chains), got {self.tree}")
 
 
 @dataclass
@@ -148,6 +152,8 @@ class ServeConfig:
                 f"model.policy {self.model.policy!r} needs the builtin backend; with backend vllm use "
                 "auto or fixed (verify the whole block), fixedK (K tokens per step) or ar (no drafter)"
             )
+        if self.engine.tree and (self.backend != "builtin" or self.model.policy == "ar"):
+            raise ValueError("engine.tree needs the builtin backend and a drafter (model.policy other than ar)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.shutdown_grace_s < 0:

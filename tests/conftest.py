@@ -42,6 +42,20 @@ def tiny_drafter(target: TargetModel, seed: int = 0, block_size: int = 6) -> Dra
     return Drafter(cfg, target).eval()
 
 
+@torch.no_grad()
+def greedy_reference(target: TargetModel, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
+    """Plain greedy decoding, one target forward per token, apart from the engine: the output every
+    speculative method must reproduce token for token (stops after the first EOS, kept)."""
+    dev = target.lm_head.weight.device
+    cache = target.new_cache(1, len(prompt_ids) + max_new_tokens + 1)
+    logits, _ = target(torch.tensor([prompt_ids], device=dev), cache, logits_last_only=True)
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+        logits, _ = target(torch.tensor([out[-1:]], device=dev), cache, logits_last_only=True)
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
 @pytest.fixture
 def tiny():
     target = tiny_target()

@@ -79,6 +79,11 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert {(r["concurrency"], r["n_requests"]) for r in rows} == {(1, 2), (3, 3)}
     assert len({r["committed_tokens"] for r in rows if r["concurrency"] == 3}) == 1 and len(rows) == 10
     assert all((r["lookup_rounds"] > 0) == r["method"].endswith("-lookup") for r in rows)
+    # `treeN`: greedy token trees in the engine (`-lookup` grafts the chain into each tree), output unchanged
+    trees = ["--methods", "ar,tree3,tree3-lookup", "--concurrency", "1,3", "--min-requests", "3", "--out", str(tmp_path / "bt")]
+    assert main(["bench", *common, *trees]) == 0
+    rows = json.loads((tmp_path / "bt" / "results.json").read_text())["rows"]
+    assert len(rows) == 6 and len({r["committed_tokens"] for r in rows}) == 1
     assert main(["bench", *common, "--methods", "ar-fullvocab"]) == 2
     assert main(["bench", *common, "--methods", "ar-lookup", "--lookup-min-ngram", "4"]) == 2
     write(drafter, None, None)

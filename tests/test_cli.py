@@ -104,3 +104,27 @@ def test_missing_file_and_too_long_prompt(tmp_path, tiny_hf_dir, tiny_drafter_di
 def test_help_runs():
     out = subprocess.run([sys.executable, "-m", "adaflash.cli", "generate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--prompts-file" in out.stdout
+
+
+def test_eval_any_drafter_dir(tiny_hf_dir, tiny_drafter_dir, tmp_path, capsys):
+    """`adaflash eval --drafter DIR`: the single-request eval of a drafter directory in AdaFlash's format or
+    DFlash's, report into --out (the drafter directory stays untouched); bad variant lists are refused."""
+    dflash = tmp_path / "dflash"
+    assert main(["export", str(tiny_drafter_dir), str(dflash), "--target", str(tiny_hf_dir), "--dtype", "float32"]) == 0
+    common = ["eval", "--target", str(tiny_hf_dir), "--prompt-sets", str(tmp_path / "prompts"), "--domains", "gsm8k"]
+    common += ["--per-domain", "2", "--max-new-tokens", "8", "--drafter-dtype", "float32"]
+    for name, drafter in (("adaflash", tiny_drafter_dir), ("dflash", dflash)):
+        out = tmp_path / f"eval-{name}"
+        args = ["--drafter", str(drafter), "--verify-lens", "3", "--trees", "3", "--lookup", "0", "2", "--out", str(out)]
+        code, stdout, _ = run(common + args, capsys)
+        assert code == 0 and "| gsm8k | 2 | dflash-tree3-lookup2 | 2/2 |" in stdout
+        report = json.loads((out / "eval.json").read_text())
+        variants = report["domains"]["gsm8k"]["variants"]
+        assert list(variants) == ["dflash-v3", "dflash-tree3", "dflash-tree3-lookup2"]
+        assert all(v["identical_greedy"] == 2 and v["tau"] >= 1.0 for v in variants.values())
+        assert (out / "eval.md").exists() and (out / "accept_by_position.png").exists()
+        assert not (drafter / "eval.json").exists()
+    code, _, err = run(common + ["--drafter", str(tiny_drafter_dir), "--verify-lens", "--out", str(tmp_path / "none")], capsys)
+    assert code == 1 and "at least one of verify_lens (chains) or trees" in err
+    help_text = subprocess.run([sys.executable, "-m", "adaflash.cli", "eval", "--help"], capture_output=True, text=True).stdout
+    assert "--drafter" in help_text and "--trees" in help_text and "--lookup" in help_text

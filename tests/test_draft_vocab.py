@@ -11,12 +11,11 @@ import pytest
 import torch
 from adaflash.cli import main
 from adaflash.pipelines.draft_vocab import choose, count, coverage
-from conftest import tiny_drafter, tiny_target
+from conftest import greedy_reference, tiny_drafter, tiny_target
 from test_spec import _first_token_distribution
 
 from adaflash.drafter import DRAFT_VOCAB, load_drafter
-from adaflash.engine import EMAPolicy, Engine, FixedPolicy, Request
-from adaflash.generate import generate_ar, generate_dflash
+from adaflash.engine import EMAPolicy, Engine, FixedPolicy, Request, single_request_engine
 from adaflash.spec import propose, verify_sampling
 
 
@@ -57,10 +56,10 @@ def test_greedy_with_a_draft_vocabulary_equals_plain_decoding(seed):
     ids = torch.randperm(64, generator=g)[:24].sort().values
     drafter.set_vocab(ids)
     prompt = torch.randint(0, 64, (4 + seed,), generator=g).tolist()
-    ar = generate_ar(target, prompt, 40, [])
-    assert generate_dflash(target, drafter, prompt, 40, []).output_ids == ar.output_ids
+    ar = greedy_reference(target, prompt, 40, [])
+    assert single_request_engine(target, drafter, []).generate(prompt, 40).out == ar
     reqs = [Request(f"r{i}", prompt[: 2 + i], 30) for i in range(4)]
-    refs = [generate_ar(target, r.prompt_ids, 30, []).output_ids for r in reqs]
+    refs = [greedy_reference(target, r.prompt_ids, 30, []) for r in reqs]
     for policy in (FixedPolicy(), FixedPolicy(3), EMAPolicy()):
         states = Engine(target, drafter, policy, eos_ids=[], max_batch=3).run(reqs)
         for ref, s in zip(refs, states):
@@ -94,7 +93,7 @@ def test_batched_sampling_with_a_draft_vocabulary_equals_single_request():
     reqs = [Request(f"r{i}", [1 + i, 9, 4, 33], 12, temperature=0.9, seed=100 + i) for i in range(4)]
     states = Engine(target, drafter, FixedPolicy(), eos_ids=[], max_batch=2).run(reqs)
     for r, s in zip(reqs, states):
-        assert s.out == generate_dflash(target, drafter, r.prompt_ids, 12, [], temperature=0.9, seed=r.seed).output_ids
+        assert s.out == single_request_engine(target, drafter, []).generate(r.prompt_ids, 12, temperature=0.9, seed=r.seed).out
         assert all(t % 2 == 0 for rd in s.rounds for t in rd.draft)
 
 

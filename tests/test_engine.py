@@ -1,14 +1,13 @@
-"""Batched engine: equals single-request generation (greedy and sampling), every policy lossless,
-requests joining mid-flight, the token budget holds."""
+"""Batched engine: equals single-request generation (the engine at batch 1; greedy and sampling), every
+policy lossless, token trees and prompt lookup batched, requests joining mid-flight, the token budget holds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from conftest import greedy_reference, tiny_drafter, tiny_target
 
-from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
-from adaflash.generate import generate_ar, generate_dflash
+from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request, single_request_engine
 from adaflash.length_head import LengthHead, LengthHeadConfig
 
 
@@ -42,15 +41,14 @@ def test_batched_greedy_equals_single_and_plain(policy_name):
     engine = Engine(target, drafter, policy, eos_ids=[5], max_batch=3, token_budget=40)
     states = engine.run(reqs)
     for r, s in zip(reqs, states):
-        ar = generate_ar(target, r.prompt_ids, r.max_new_tokens, [5])
-        assert s.out == ar.output_ids, r.request_id
+        assert s.out == greedy_reference(target, r.prompt_ids, r.max_new_tokens, [5]), r.request_id
         assert s.finish_reason in ("stop", "length")
         assert all(1 <= rd.verify_len <= drafter.block_size for rd in s.rounds)
     assert engine.stats["max_step_tokens"] <= 40
     if policy_name == "fixed":
         for r, s in zip(reqs, states):
-            sd = generate_dflash(target, drafter, r.prompt_ids, r.max_new_tokens, [5])
-            assert [rd.accepted for rd in s.rounds] == sd.accepted_per_round
+            sd = single_request_engine(target, drafter, [5]).generate(r.prompt_ids, r.max_new_tokens)
+            assert [rd.accepted for rd in s.rounds] == [rd.accepted for rd in sd.rounds]
 
 
 def test_policies_that_know_their_length_draft_only_that_much(monkeypatch):
@@ -89,8 +87,8 @@ def test_batched_sampling_equals_single_request_sampling():
     reqs = make_requests(5, 2, temperature=0.9)
     states = Engine(target, drafter, FixedPolicy(), eos_ids=[], max_batch=2).run(reqs)
     for r, s in zip(reqs, states):
-        sd = generate_dflash(target, drafter, r.prompt_ids, r.max_new_tokens, [], temperature=0.9, seed=r.seed)
-        assert s.out == sd.output_ids
+        sd = single_request_engine(target, drafter, []).generate(r.prompt_ids, r.max_new_tokens, temperature=0.9, seed=r.seed)
+        assert s.out == sd.out
 
 
 def test_token_budget_bounds_each_step_and_admission():
@@ -145,8 +143,7 @@ def test_swap_between_steps_keeps_running_requests_lossless():
     assert engine.stats["swaps"] == 1 and engine.version == "2"
     assert [by_id[r.request_id].slot.version for r in reqs] == ["1", "1", "2"]
     for r in reqs:
-        ar = generate_ar(target, r.prompt_ids, 24, [])
-        assert by_id[r.request_id].out == ar.output_ids
+        assert by_id[r.request_id].out == greedy_reference(target, r.prompt_ids, 24, [])
     traj = engine.trajectory(by_id["r2"], "w0")
     assert traj.drafter_version == "2" and traj.output_ids == by_id["r2"].out
     assert len(traj.rounds) == len(by_id["r2"].rounds) and all(rd.t_ns > 0 for rd in traj.rounds)
@@ -217,7 +214,7 @@ def test_prompt_lookup_in_the_engine_is_lossless_and_replays_lookup_chain(policy
     states = engine.run(reqs)
     n_lookup = n_drafter = 0
     for r, s in zip(reqs, states):
-        assert s.out == generate_ar(target, r.prompt_ids, r.max_new_tokens, [5]).output_ids, r.request_id
+        assert s.out == greedy_reference(target, r.prompt_ids, r.max_new_tokens, [5]), r.request_id
         a = 1
         for rd in s.rounds:
             chain = lookup_chain(r.prompt_ids + s.out[:a], min(4, r.max_new_tokens - a - 1), min_ngram=1)
@@ -263,3 +260,37 @@ def test_lookup_arguments_are_checked():
         Engine(target, None, ARPolicy(), eos_ids=[], lookup=-1)
     with pytest.raises(ValueError, match="lookup_min 1..3"):
         Engine(target, None, ARPolicy(), eos_ids=[], lookup=4, lookup_min=0)
+
+
+@pytest.mark.parametrize("budget", [400, 14])
+def test_batched_trees_with_lookup_are_lossless_and_batch_invariant(budget):
+    """A tree engine with prompt lookup, greedy and sampling requests mixed: greedy output equals plain
+    decoding and each greedy request accepts exactly what it accepts alone (the tree masks and the kept
+    paths of one request do not leak into another's); sampling requests verify chains, the same tokens
+    as alone. A tight token budget trims trees (and still holds). Tree rounds reach the trajectory buffer
+    as the path the walk took: accepted drafts equal the target's, the next one differs."""
+    target = tiny_target(7, std=0.15)  # falls into loops that lookup predicts
+    drafter = tiny_drafter(target, 7)
+    reqs = make_requests(6, 5)
+    for r in reqs[::3]:
+        r.temperature = 0.9
+    kw = dict(eos_ids=[5], lookup=4, lookup_min=1, tree=5)
+    engine = Engine(target, drafter, head_policy(drafter), max_batch=3, token_budget=budget, **kw)
+    states = engine.run(reqs)
+    assert engine.stats["max_step_tokens"] <= budget
+    for r, s in zip(reqs, states):
+        alone = Engine(target, drafter, head_policy(drafter), max_batch=1, **kw).generate(
+            r.prompt_ids, r.max_new_tokens, r.temperature, r.seed
+        )
+        assert s.out == alone.out, r.request_id
+        if r.temperature == 0:
+            assert s.out == greedy_reference(target, r.prompt_ids, r.max_new_tokens, [5]), r.request_id
+            if budget == 400:
+                assert [rd.accepted for rd in s.rounds] == [rd.accepted for rd in alone.rounds]
+        for a, b in zip(s.rounds, s.rounds[1:]):
+            assert b.anchor == a.anchor + a.accepted + 1
+        for rd in engine.trajectory(s, "w").rounds if r.temperature == 0 else []:
+            n = rd.accepted
+            assert rd.draft[:n] == rd.target[:n] and (len(rd.draft) == n or rd.draft[n] != rd.target[n])
+    tree_rounds = [rd for r, s in zip(reqs, states) if r.temperature == 0 for rd in s.rounds]
+    assert any(rd.verify_len > 2 and rd.accepted > 0 for rd in tree_rounds)

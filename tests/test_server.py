@@ -213,9 +213,18 @@ def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, t
     assert (built(tiny_drafter_dir, "fixed").lookup, built(tiny_drafter_dir, "fixed").lookup_min) == (4, 2)
     off = build_engine(serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, engine={"lookup": 0}), target)
     assert off.lookup == 0
-    for bad, msg in (({"lookup": -1}, "engine.lookup must be >= 0"), ({"lookup_min_ngram": 4}, "engine.lookup_min_ngram")):
+    for bad, msg in (
+        ({"lookup": -1}, "engine.lookup must be >= 0"),
+        ({"lookup_min_ngram": 4}, "engine.lookup_min_ngram"),
+        ({"tree": -1}, "engine.tree must be >= 0"),
+    ):
         with pytest.raises(ValueError, match=msg):
             serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, engine=bad)
+    # token trees are off by default and configurable; they need a drafter
+    assert built(tiny_drafter_dir, "fixed").tree == 0
+    assert build_engine(serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, engine={"tree": 8}), target).tree == 8
+    with pytest.raises(ValueError, match="engine.tree needs"):
+        serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, engine={"tree": 8}, model={"policy": "ar"})
 
 
 def test_trajectories_flushed_by_age(target, tiny_hf_dir, tiny_drafter_dir, tmp_path):

@@ -1,15 +1,15 @@
 """`adaflash serve` through the official `openai` client: chat and completions, streaming and not;
-greedy output equals plain decoding; stop strings; every finished request lands in the trajectory
-buffer, flushed by the graceful shutdown."""
+greedy output equals plain decoding (the server verifies token trees with a prompt-lookup branch);
+stop strings; every finished request lands in the trajectory buffer, flushed by the graceful shutdown."""
 
 from __future__ import annotations
 
 import openai
 import pytest
+from conftest import greedy_reference
 from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
-from adaflash.generate import generate_ar
 from adaflash.target import load_target
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
@@ -25,7 +25,7 @@ def target(tiny_hf_dir):
 def served(target, tiny_hf_dir, tiny_drafter_dir, tmp_path_factory):
     """One server for the module; yields (client, state, record of finished request ids -> (ids, domain))."""
     buffer_dir = tmp_path_factory.mktemp("buffer")
-    cfg = serve_config(tiny_hf_dir, tiny_drafter_dir, buffer_dir)
+    cfg = serve_config(tiny_hf_dir, tiny_drafter_dir, buffer_dir, engine={"tree": 4, "lookup": 4, "lookup_min_ngram": 1})
     finished: dict[str, tuple] = {}
     with running_server(cfg, target=target, api_key="sk-test") as (url, state, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0, timeout=60)
@@ -39,7 +39,7 @@ def served(target, tiny_hf_dir, tiny_drafter_dir, tmp_path_factory):
 
 
 def plain(target, ids, n) -> tuple[list[int], str]:
-    out = generate_ar(target.model, ids, n, target.eos_ids).output_ids
+    out = greedy_reference(target.model, ids, n, target.eos_ids)
     return out, target.tokenizer.decode(out, skip_special_tokens=True)
 
 

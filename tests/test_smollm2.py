@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import greedy_reference
 
 from adaflash.drafter import load_drafter
-from adaflash.generate import generate_ar, generate_dflash
+from adaflash.engine import single_request_engine
 from adaflash.target import load_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,11 +39,12 @@ def test_greedy_lossless_on_smollm2(real):
     taus, tree_taus, lookup_taus = [], [], []
     for line in lines[:3]:
         ids = target.encode_chat(json.loads(line)["messages"])
-        ar = generate_ar(target.model, ids, 64, target.eos_ids)
-        sd = generate_dflash(target.model, drafter, ids, 64, target.eos_ids)
-        tree = generate_dflash(target.model, drafter, ids, 64, target.eos_ids, tree=8)
-        lookup = generate_dflash(target.model, drafter, ids, 64, target.eos_ids, tree=8, lookup=8)
-        assert sd.output_ids == ar.output_ids and tree.output_ids == ar.output_ids and lookup.output_ids == ar.output_ids
+        ar = greedy_reference(target.model, ids, 64, target.eos_ids)
+        sd, tree, lookup = (
+            single_request_engine(target.model, drafter, target.eos_ids, **kw).generate(ids, 64)
+            for kw in ({}, {"tree": 8}, {"tree": 8, "lookup": 8})
+        )
+        assert sd.out == ar and tree.out == ar and lookup.out == ar
         taus.append(sd.tau)
         tree_taus.append(tree.tau)
         lookup_taus.append(lookup.tau)

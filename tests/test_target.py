@@ -173,26 +173,29 @@ def test_linear_repacks_after_weight_changes_and_takes_strided_slices():
 
 
 def test_tree_forward_matches_chain_forwards_and_keep_continues_a_path():
-    """A token tree in one forward (each node sees the cache and its ancestors, at position = depth)
-    gives every node the logits a plain forward over its own path gives; after `keep` of one path the
-    cache continues exactly like a cache that only ever saw that path."""
+    """A token tree in one packed forward (each node sees the cache and its ancestors, at position =
+    depth), beside a plain request, gives every node the logits a plain forward over its own path gives;
+    after `keep` of one path the cache continues exactly like a cache that only ever saw that path."""
     from adaflash.spec import tree_mask
 
     model = tiny_target(3)
     prompt = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(3))
     tokens = torch.tensor([5, 6, 7, 8, 9, 10])
     parents = torch.tensor([0, 0, 1, 3, 2, 4])  # anchor(11) -> 5 -> 7 -> 8 -> 10; anchor -> 6 -> 9
-    cache = model.new_cache(1, capacity=8)  # small: the tree forward grows it
+    cache, other = model.new_cache(1, capacity=8), model.new_cache(1)  # small: the tree forward grows it
     model(prompt, cache)
+    model(prompt, other)
     start = cache.length
-    logits, feats = model(torch.cat([torch.tensor([11]), tokens])[None], cache, tree=tree_mask(parents))
+    inputs = [torch.cat([torch.tensor([11]), tokens]), torch.tensor([11, 5, 7])]
+    (logits, chain_logits), (feats, _) = model.forward_packed(inputs, [cache, other], trees=[tree_mask(parents), None])
     paths = {0: [11], 1: [11, 5], 2: [11, 6], 3: [11, 5, 7], 4: [11, 5, 7, 8], 5: [11, 6, 9], 6: [11, 5, 7, 8, 10]}
     for node, path in paths.items():
         ref_cache = model.new_cache(1)
         model(prompt, ref_cache)
         ref, ref_feats = model(torch.tensor([path]), ref_cache)
-        torch.testing.assert_close(logits[0, node], ref[0, -1], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(feats[0, node], ref_feats[0, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[node], ref[0, -1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(feats[node], ref_feats[0, -1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chain_logits, logits[[0, 1, 3]], atol=1e-4, rtol=1e-4)  # the plain request: path 11, 5, 7
     cache.keep(start, [0, 1, 3])  # keep anchor, 5, 7
     assert cache.length == start + 3 and int(cache.next_pos[0]) == 12
     nxt, _ = model(torch.tensor([[8, 4]]), cache)

@@ -16,13 +16,13 @@ import requests
 import torch
 from adaflash.pipelines.bench import BenchPrompt, run_vllm_peers
 from adaflash.pipelines.prompts import load_domain
+from conftest import greedy_reference
 from serve_util import running_server, serve_config
 
 from adaflash.buffer import ShardReader
 from adaflash.dflash_format import vllm_python
 from adaflash.drafter import DEFAULT_DRAFTER, load_drafter
 from adaflash.engine import Engine, FixedPolicy, Request
-from adaflash.generate import generate_ar
 from adaflash.registry import Registry, bootstrap
 from adaflash.target import load_target, stock_hf_dir
 
@@ -144,7 +144,7 @@ def test_openai_api_on_vllm_equals_plain_decoding(served, target):
     url, client, _, finished, _, _ = served
     _wait_version(url, "1", 60)
     ids = target.encode_chat(Q)
-    want = target.tokenizer.decode(generate_ar(target.model, ids, MAX_TOKENS, target.eos_ids).output_ids, skip_special_tokens=True)
+    want = target.tokenizer.decode(greedy_reference(target.model, ids, MAX_TOKENS, target.eos_ids), skip_special_tokens=True)
     for stream in (False, True):
         text, stats, rid = _chat(client, target, Q, stream)
         assert text == want
