@@ -152,6 +152,13 @@ def save_length_head(head: LengthHead, out_dir: str | Path, metrics: dict | None
     return out_dir
 
 
+def has_length_head(path: str | Path) -> bool:
+    """Whether the (drafter) directory has a length head: either of its two files is there, so a head
+    missing one of them is an error when loaded rather than silently no head."""
+    path = Path(path)
+    return (path / META).exists() or (path / WEIGHTS).exists()
+
+
 def load_length_head(path: str | Path, hidden_size: int | None = None) -> LengthHead:
     """Load a length head from a (drafter) directory; returns it in eval mode, fp32, on CPU.
 

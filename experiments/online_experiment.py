@@ -150,12 +150,9 @@ def fingerprint(path: Path) -> str:
 
 
 def load_slot(path: Path, target, dtype: str, version: str) -> Slot:
-    from adaflash.drafter import load_drafter
-    from adaflash.length_head import load_length_head
+    from adaflash.drafter import load_drafter_and_head
 
-    drafter = load_drafter(path, target.model, target.identity, dtype)
-    head = load_length_head(path, drafter.config.hidden_size) if (path / "length_head.json").exists() else None
-    return Slot(Path(path), drafter, head, version, fingerprint(Path(path)))
+    return Slot(Path(path), *load_drafter_and_head(path, target, dtype), version, fingerprint(Path(path)))
 
 
 class ProbePolicy(FixedPolicy):

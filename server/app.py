@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
-from pathlib import Path
 
 import uvicorn
 from adaflash.server import protocol as P
@@ -43,18 +42,17 @@ def default_writer_id() -> str:
 
 
 def build_engine(cfg: ServeConfig, target):
-    """Drafter + verify policy + Engine for `target` as the config says."""
-    from adaflash.drafter import load_drafter
-    from adaflash.length_head import load_length_head
+    """Drafter (+ its length head) + verify policy + Engine for `target` as the config says."""
+    from adaflash.drafter import load_drafter_and_head
 
     m, e = cfg.model, cfg.engine
-    drafter = None if m.policy == "ar" else load_drafter(m.drafter, target.model, target.identity, m.drafter_dtype)
+    drafter, head = (None, None) if m.policy == "ar" else load_drafter_and_head(m.drafter, target, m.drafter_dtype)
     policy_name = m.policy
     if policy_name == "auto":
-        policy_name = "head" if (Path(m.drafter) / "length_head.safetensors").exists() else "fixed"
-    head = None
+        policy_name = "head" if head is not None else "fixed"
     if policy_name == "head":
-        head = load_length_head(m.drafter, drafter.config.hidden_size)
+        if head is None:
+            raise FileNotFoundError(f"model.policy head: {m.drafter} has no length head (run `adaflash fit-head`)")
         policy = HeadPolicy(head)
     elif policy_name == "ema":
         policy = EMAPolicy()

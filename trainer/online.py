@@ -54,10 +54,9 @@ from torch import Tensor, nn
 from adaflash.buffer import TRAJECTORY_SCHEMA, ShardReader, from_arrow
 from adaflash.config import to_dict
 from adaflash.distributed import from_rank0, init_distributed
-from adaflash.drafter import Drafter, load_drafter
+from adaflash.drafter import Drafter, load_drafter, load_drafter_and_head
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, load_length_head, save_length_head
 from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
-from adaflash.registry import load_version
 from adaflash.target import load_target
 
 
@@ -281,7 +280,7 @@ class OnlineTrainer:
             version = self.registry.champion()
             if version is not None:
                 src = Path(self.registry.download(version, self.ckpt / "download"))
-        drafter, head = load_version(src, self.target, torch.float32)
+        drafter, head = load_drafter_and_head(src, self.target, torch.float32)
         if head is None:
             torch.manual_seed(cfg.train.seed)
             head = LengthHead(LengthHeadConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.block_size))
@@ -361,7 +360,7 @@ class OnlineTrainer:
             return
         version, path = moved
         try:
-            drafter, head = load_version(path, self.target, torch.float32)
+            drafter, head = load_drafter_and_head(path, self.target, torch.float32)
         except (ValueError, OSError) as e:
             self._refused.add(version)
             self.log(
