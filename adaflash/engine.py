@@ -30,6 +30,7 @@ returns them; whoever collects them decides how long they live.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -167,6 +168,8 @@ class HeadPolicy(VerifyPolicy):
     name = "head"
 
     def __init__(self, head):
+        if head is None:
+            raise ValueError("verify policy 'head' needs a length head beside the drafter: run `adaflash fit-head` first")
         self.head = head
 
     def draft_len(self, k_blk, head=None):
@@ -181,6 +184,29 @@ class HeadPolicy(VerifyPolicy):
             pred = head(hidden.float())  # [R]
         lens = verify_length(pred, self.draft_len(k_blk, head), c.rate, c.min_len)  # at most the drafted block
         return lens.tolist(), pred.tolist()
+
+
+POLICIES: dict[str, Callable[[object], VerifyPolicy]] = {  # name -> policy, given the drafter's length head or None
+    "ar": lambda head: ARPolicy(),
+    "fixed": lambda head: FixedPolicy(),
+    "ema": lambda head: EMAPolicy(),
+    "head": HeadPolicy,
+}
+POLICY_NAMES = f"auto, {', '.join(POLICIES)}, fixedK (e.g. fixed8)"
+
+
+def known_policy(name: str) -> bool:
+    return name == "auto" or name in POLICIES or re.fullmatch(r"fixed[1-9][0-9]*", name) is not None
+
+
+def make_policy(name: str, head=None) -> VerifyPolicy:
+    """The verify policy called `name` (POLICY_NAMES): fixedK verifies K tokens; auto is the length head
+    when the drafter has one (`head`), else fixed."""
+    if not known_policy(name):
+        raise ValueError(f"unknown verify policy {name!r}; valid: {POLICY_NAMES}")
+    if name == "auto":
+        name = "head" if head is not None else "fixed"
+    return FixedPolicy(int(name[5:])) if name not in POLICIES else POLICIES[name](head)
 
 
 class Engine:

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
+from adaflash.engine import POLICIES, Engine, Request, known_policy, make_policy
 from adaflash.layers import prepack
 
-ENGINE_METHODS = ("ar", "fixed", "ema", "head")
+ENGINE_METHODS = tuple(POLICIES)  # the engine's verify policies (plus fixedK)
 HF_METHODS = ("hf", "hf-pld")
 FULL_VOCAB = "-fullvocab"  # suffix: the same method drafting from the whole vocabulary
 LOOKUP = "-lookup"  # suffix: the same method with prompt lookup in the engine
@@ -52,29 +52,13 @@ def known_method(method: str) -> bool:
     base, _, full = split_method(method)
     if full and base == "ar":
         return False  # only drafting methods have a draft vocabulary
-    return base in ENGINE_METHODS or (base.startswith("fixed") and base[5:].isdigit())
+    return base != "auto" and known_policy(base)
 
 
 @dataclass
 class BenchPrompt:
     domain: str
     ids: list[int]
-
-
-def make_policy(method: str, head=None):
-    if method == "ar":
-        return ARPolicy()
-    if method == "fixed":
-        return FixedPolicy()
-    if method.startswith("fixed") and method[5:].isdigit():
-        return FixedPolicy(int(method[5:]))
-    if method == "ema":
-        return EMAPolicy()
-    if method == "head":
-        if head is None:
-            raise ValueError("method 'head' needs a length head beside the drafter (run `adaflash fit-head` first)")
-        return HeadPolicy(head)
-    raise ValueError(f"unknown method {method!r}; methods: ar, fixed, fixedK, ema, head, hf, hf-pld")
 
 
 def run_engine(

@@ -31,7 +31,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
+from adaflash.engine import Engine, Request, make_policy
 
 log = logging.getLogger("adaflash.server")
 
@@ -47,23 +47,10 @@ def build_engine(cfg: ServeConfig, target):
 
     m, e = cfg.model, cfg.engine
     drafter, head = (None, None) if m.policy == "ar" else load_drafter_and_head(m.drafter, target, m.drafter_dtype)
-    policy_name = m.policy
-    if policy_name == "auto":
-        policy_name = "head" if head is not None else "fixed"
-    if policy_name == "head":
-        if head is None:
-            raise FileNotFoundError(f"model.policy head: {m.drafter} has no length head (run `adaflash fit-head`)")
-        policy = HeadPolicy(head)
-    elif policy_name == "ema":
-        policy = EMAPolicy()
-    elif policy_name == "ar":
-        policy = ARPolicy()
-    else:
-        policy = FixedPolicy(m.fixed_len)
     return Engine(
         target.model,
         drafter,
-        policy,
+        make_policy(m.policy, head),
         target.eos_ids,
         e.max_batch,
         e.token_budget,
