@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from adaflash.buffer import Round, Trajectory
 from adaflash.drafter import Drafter
 from adaflash.spec import lookup_chain, pick, propose, verify
 from adaflash.target import KVCache, TargetModel
@@ -54,21 +55,6 @@ class Request:
     seed: int = 0
     domain: str | None = None
     stop: Callable[[list[int]], int | None] | None = None  # output ids -> keep this many and stop, or None
-
-
-@dataclass
-class Round:
-    """One verification round of one request (what the trajectory buffer records)."""
-
-    anchor: int  # position of the block's first token in prompt + output
-    draft: list[int]  # drafts verified this round
-    target: list[int]  # the target's greedy token at each of those positions
-    accepted: int
-    verify_len: int  # tokens verified incl. the anchor
-    pred: float  # length-head prediction (nan without a head)
-    t_ns: int = 0  # wall-clock time of the verification
-    hidden: torch.Tensor | None = None  # [K, H] drafter block states, kept when collecting head data
-    source: str = "drafter"  # or "lookup": the drafts came from prompt lookup, not the drafter
 
 
 @dataclass
@@ -485,14 +471,10 @@ class Engine:
         return lens
 
     @staticmethod
-    def trajectory(st: RequestState, writer_id: str):
-        """A finished request as a trajectory-buffer row (adaflash.buffer.Trajectory)."""
-        from adaflash import buffer
-
-        rounds = [
-            buffer.Round(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns) for r in st.rounds if r.source == "drafter"
-        ]  # the buffer describes the drafter
-        return buffer.Trajectory(
+    def trajectory(st: RequestState, writer_id: str) -> Trajectory:
+        """A finished request as a trajectory-buffer row; its drafter rounds only (the buffer describes the drafter)."""
+        rounds = [r for r in st.rounds if r.source == "drafter"]
+        return Trajectory(
             st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds, domain=st.req.domain
         )
 

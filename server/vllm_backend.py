@@ -38,7 +38,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from adaflash.engine import DrafterSlot, Engine, Request, RequestState, Round
+from adaflash.buffer import Round
+from adaflash.engine import DrafterSlot, Engine, Request, RequestState
 
 log = logging.getLogger("adaflash.server")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request and health poll otherwise
