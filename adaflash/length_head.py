@@ -10,7 +10,7 @@ DETACHED inside ``forward``, so the head's loss never sends gradients into the d
     pred = sigmoid(Linear(inner -> 1)(x))                     [B]          in (0, 1)
 
 ``pred`` estimates the block's acceptance rate label = clamp((accepted + 1) / block_size, 0, 1)
-(``losses.acceptance_label``), where accepted = ``losses.accepted_length`` of the drafted tokens against the target's.
+(``losses.acceptance_label``), where accepted = ``spec.accepted_length`` of the drafted tokens against the target's.
 ``verify_length`` turns it into how many tokens the target verifies next round.
 
 Training: ``losses.length_head_loss`` (MSE) with the head's own optimizer (AdamW, lr 2e-4). It is first

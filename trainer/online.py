@@ -46,17 +46,19 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from adaflash.trainer.config import LossSection, OnlineConfig
+from adaflash.trainer.config import OnlineConfig
 from adaflash.trainer.data import capture_output, eval_items, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
 from adaflash.trainer.memory import RoundMemory
 from torch import Tensor, nn
 
 from adaflash.buffer import TRAJECTORY_SCHEMA, ShardReader, from_arrow
+from adaflash.buffer.files import write_text_atomic
 from adaflash.config import to_dict
 from adaflash.distributed import from_rank0, init_distributed
 from adaflash.drafter import Drafter, load_drafter, load_drafter_and_head
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, load_length_head, save_length_head
-from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
+from adaflash.recipe import clip_per_group, deepspeed_config, train_step
+from adaflash.spec import accepted_length
 from adaflash.target import load_target
 
 
@@ -80,37 +82,6 @@ class OnlineModel(nn.Module):
         its loss never reaches the drafter."""
         h, block = self.blocks(batch)
         return self.drafter.lm_head(h), self.head(block.float()).view(batch["anchors"].shape)
-
-
-def distill_loss(logits: Tensor, tgt_logits: Tensor, valid: Tensor, lc: LossSection) -> dict[str, Tensor]:
-    """The drafter's distillation loss of `lc.kind` (opd | osd) over the valid positions.
-    logits / tgt_logits [B, NB, K-1, V], valid [B, NB, K-1] -> {"loss": scalar with grad, metrics...}."""
-    d, t, v = logits.flatten(0, 1), tgt_logits.flatten(0, 1), valid.flatten(0, 1)  # [N, K-1, V] x2, [N, K-1]
-    if lc.kind == "opd":
-        return opd_loss(d, t, v, lc.alpha, lc.temperature, lc.clip, lc.clip_mode, lc.gamma)
-    if lc.kind == "osd":
-        return osd_loss(d, t, v, lc.temperature, lc.gamma)
-    raise ValueError(f"loss.kind {lc.kind!r} has no distillation loss (opd or osd)")
-
-
-def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor | None, batch: dict, cfg: OnlineConfig) -> tuple[Tensor, dict]:
-    """Distillation (OPD or OSD; none for loss.kind "head") over valid positions + length-head MSE over full
-    blocks. logits / tgt_logits [B, NB, K-1, V]; pred [B, NB]."""
-    lc, k_blk = cfg.loss, logits.shape[2] + 1
-    d, valid = logits.flatten(0, 1), batch["valid"].flatten(0, 1)  # [N, K-1, V], [N, K-1]
-    if lc.kind == "head":  # the drafter is frozen, no distillation (tgt_logits is None)
-        out = {"loss": pred.sum() * 0.0}
-    else:
-        out = distill_loss(logits, tgt_logits, batch["valid"], lc)
-    full = batch["full"].flatten()  # [N]
-    with torch.no_grad():
-        acc = accepted_length(d.argmax(-1), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
-    head = length_head_loss(pred.flatten()[full], acc[full], k_blk) if full.any() else pred.sum() * 0.0
-    metrics = {k: float(v) for k, v in out.items() if k != "loss"}
-    metrics.update(
-        head_loss=float(head.detach()), train_acc_len=float(acc[full].float().mean()) if full.any() else 0.0, positions=int(valid.sum())
-    )
-    return out["loss"] + lc.head_weight * head, metrics
 
 
 @torch.no_grad()
@@ -142,29 +113,10 @@ def refit_head(model: OnlineModel, seqs, k_blk: int, t, seed: int) -> dict | Non
 
 
 def ds_config(cfg: OnlineConfig) -> dict:
-    t = cfg.train
-    conf = {
-        "train_micro_batch_size_per_gpu": t.seqs_per_step,
-        "gradient_accumulation_steps": 1,
-        # ZeRO 0: clipped per parameter group in the trainer (`clip_per_group`); ZeRO > 0: DeepSpeed's global norm
-        "gradient_clipping": t.grad_clip if cfg.deepspeed.zero_stage else 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "weight_decay": t.weight_decay, "torch_adam": True}},
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
-        "steps_per_print": 10**9,
-    }
-    conf.update(cfg.deepspeed.extra)
-    return conf
-
-
-def clip_per_group(engine, max_norm: float) -> list[float]:
-    """Clip each optimizer parameter group (drafter, length head) to its own gradient norm: one global
-    norm ties them (the head's loss changes the drafter's clipped step, and the drafter's norm rescales
-    the head's gradients from step to step). Gradients must be whole on every rank (ZeRO 0).
-    -> each group's norm before clipping."""
-    return [
-        float(torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], max_norm))
-        for g in engine.optimizer.param_groups
-    ]
+    """The online trainer's DeepSpeed config. ZeRO 0: clipped per parameter group by the trainer
+    (`clip_per_group`); ZeRO > 0: DeepSpeed's global norm."""
+    zero = cfg.deepspeed.zero_stage
+    return deepspeed_config(cfg.train, zero, clip=bool(zero), extra=cfg.deepspeed.extra)
 
 
 def gate(before: dict, after: dict, tolerance: float, min_blocks: int) -> tuple[bool, str]:
@@ -190,15 +142,6 @@ def retired_shards(consumed: list[tuple[str, object, int]], r: int, keep_rounds:
         old.append(n)
         left -= size
     return old
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1, sort_keys=True))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _metric_key(name: str) -> str:
@@ -249,16 +192,9 @@ class OnlineTrainer:
         if fresh:  # round 0 = the starting weights, so every round has a checkpoint to resume or roll back to
             self.engine.save_checkpoint(str(self.ckpt), tag="round0")
             if self.rank == 0:
-                _write_json_atomic(
-                    self.state_path,
-                    {
-                        **json.loads((self.ckpt / "init" / "start.json").read_text()),
-                        "round": 0,
-                        "weights_tag": "round0",
-                        "pending": None,
-                        "inflight_run": None,
-                    },
-                )
+                start = json.loads((self.ckpt / "init" / "start.json").read_text())
+                self.state = {**start, "round": 0, "weights_tag": "round0", "pending": None, "inflight_run": None}
+                self._save_state()
         self._barrier()
         self.state = json.loads(self.state_path.read_text())
         if not fresh:
@@ -303,7 +239,7 @@ class OnlineTrainer:
             self.client.set_tag(run, "note", "trainer killed mid-round; the round is retrained in a new run")
             self.client.set_terminated(run, "KILLED")
             self.state["inflight_run"] = None
-            _write_json_atomic(self.state_path, self.state)
+            self._save_state()
 
     def _retain(self) -> None:
         """Apply `retention` to the consumed shards of the rounds up to the last committed one (rank 0)."""
@@ -325,6 +261,10 @@ class OnlineTrainer:
                 f"DeepSpeed checkpoint {self.ckpt / tag} named in {self.state_path} is missing: "
                 f"restore it, or move {self.ckpt} away to start over from the registry's champion"
             )
+
+    def _save_state(self) -> None:
+        """state.json, written atomically (rank 0)."""
+        write_text_atomic(self.state_path, json.dumps(self.state, indent=1, sort_keys=True))
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -376,7 +316,7 @@ class OnlineTrainer:
         if self.rank == 0:
             self.log(f"[train] champion moved to v{version} outside the trainer (was v{self.state['champion']}): training from it")
             self.state.update(champion=version, base_version=version, weights_tag=tag)
-            _write_json_atomic(self.state_path, self.state)
+            self._save_state()
             shutil.rmtree(path, ignore_errors=True)
             self._cleanup()
         self.state = from_rank0(self.state)
@@ -492,7 +432,7 @@ class OnlineTrainer:
         )
         if self.rank == 0:
             self.memory.save(r, tables)  # before state.json: a restart never reads a later round's file
-            _write_json_atomic(self.state_path, self.state)  # durable: these weights include these shards
+            self._save_state()  # durable: these weights include these shards
             self.reader.commit(names, tag=r)
             self._publish()
             self._cleanup()
@@ -505,20 +445,12 @@ class OnlineTrainer:
         """One DeepSpeed optimizer step on this rank's slice of the step's sequences."""
         t = self.cfg.train
         batch = make_batch(train_items(seqs, i, self.rank, self.world, t.seqs_per_step, t.anchors_per_seq, t.seed, r), self.k_blk)
-        self.engine.train()
-        tgt_logits = None  # the teacher's distributions: only distillation needs them
-        if self.cfg.loss.kind != "head":
-            with torch.no_grad():
-                tgt_logits = self.target.model.lm_head(batch["tgt_hidden"]).float()  # [B, NB, K-1, V]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
-            logits, pred = self.engine(batch)
-        loss, metrics = update_loss(logits, pred, tgt_logits, batch, self.cfg)
-        self.engine.backward(loss)
+        clip = None
         if not self.cfg.deepspeed.zero_stage and t.grad_clip > 0:
-            norms = clip_per_group(self.engine, t.grad_clip)
-            metrics.update({f"grad_norm_{name}": n for name, n in zip(self.groups, norms)})
-        self.engine.step()
-        metrics["loss"] = float(loss.detach())
+            clip = lambda e: {f"grad_norm_{name}": n for name, n in zip(self.groups, clip_per_group(e, t.grad_clip))}  # noqa: E731
+        metrics = train_step(
+            self.engine, batch, self.cfg.loss, forward=self.engine, teacher=self.target.model, autocast=t.autocast_bf16, clip=clip
+        )
         if self.rank == 0:
             from mlflow.entities import Metric
 
@@ -553,7 +485,7 @@ class OnlineTrainer:
         )
         rid = run.info.run_id
         self.state["inflight_run"] = rid
-        _write_json_atomic(self.state_path, self.state)
+        self._save_state()
         from mlflow.entities import Param
 
         params = {
@@ -617,7 +549,7 @@ class OnlineTrainer:
             self.state["base_version"] = version
         self.client.set_terminated(p["run_id"], "FINISHED")
         self.state["pending"] = None
-        _write_json_atomic(self.state_path, self.state)
+        self._save_state()
         self._append_history({"round": p["round"], "shards": p["shards"], "version": version, **s})
         shutil.rmtree(p["export"], ignore_errors=True)  # the registry holds it now
         verdict = f"promoted v{version}" if s["promote"] else f"rejected v{version} ({s['reason']})"
