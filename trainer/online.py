@@ -2,19 +2,20 @@
 OSD baseline) plus the length head through DeepSpeed, gates each update on held-out tau and publishes
 every round's drafter to the MLflow model registry.
 
-One update round:
+One update round (`update_round`; the method doing each step in brackets):
   1. wait until >= `buffer.min_new_rounds` verification rounds sit in uncommitted shards; take the
-     oldest shards up to that count (same rule after a restart, so a retried round sees the same data)
-  2. split trajectories train / held-out by request_id hash, add the previous rounds' ones kept in the
-     round memory (`train.replay_rounds`, `gate.heldout_rounds`); one target forward per trajectory
-  3. held-out tau before; `steps_per_update` DeepSpeed steps on the recorded anchors; held-out tau after
-     (loss.kind "head": the drafter is frozen and only the length head trains on the acceptance labels)
-  4. gate: promote when tau after >= tau before - tolerance (and enough held-out blocks)
-  5. durable: export drafter + head, DeepSpeed checkpoint (kept weights only), the round's trajectories
+     oldest shards up to that count (same rule after a restart, so a retried round sees the same data) [_take_round]
+  2. select: split trajectories train / held-out by request_id hash, add the previous rounds' ones kept in
+     the round memory (`train.replay_rounds`, `gate.heldout_rounds`) [_select]
+  3. train: one target forward per trajectory; held-out tau before; `steps_per_update` DeepSpeed steps on
+     the recorded anchors (adaflash.recipe.train_step); held-out tau after (loss.kind "head": the drafter is
+     frozen and only the length head trains on the acceptance labels) [_train]
+  4. gate: promote when tau after >= tau before - tolerance (and enough held-out blocks) [_gate]
+  5. persist: export drafter + head, DeepSpeed checkpoint (kept weights only), the round's trajectories
      into the round memory, state.json with the round's shards and what is left to publish, THEN
-     `reader.commit(shards, tag=round)`
-  6. publish: register the version, move the champion alias or tag it rejected, close the MLflow run
-  7. retention (`retention`): delete or compact the consumed shards of rounds it no longer keeps
+     `reader.commit(shards, tag=round)` [_persist]
+  6. publish: register the version, move the champion alias or tag it rejected, close the MLflow run [_publish]
+  7. retention (`retention`): delete or compact the consumed shards of rounds it no longer keeps [_retain]
 
 Exactly-once: weights that include a shard become durable (checkpoint + state.json) before the ledger
 records the shard, and a restart resumes from exactly those weights. A kill before step 5 leaves the
@@ -41,13 +42,24 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from adaflash.trainer.config import OnlineConfig
-from adaflash.trainer.data import capture_output, eval_items, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
+from adaflash.trainer.data import (
+    Sequence,
+    capture_output,
+    eval_items,
+    heldout_tau,
+    is_heldout,
+    make_batch,
+    supervise,
+    to_sequences,
+    train_items,
+)
 from adaflash.trainer.memory import RoundMemory
 from torch import Tensor, nn
 
@@ -60,6 +72,19 @@ from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, 
 from adaflash.recipe import clip_per_group, deepspeed_config, train_step
 from adaflash.spec import accepted_length
 from adaflash.target import load_target
+
+
+@dataclass
+class RoundData:
+    """What one update round trains and judges on (`OnlineTrainer._select`)."""
+
+    round: int
+    shards: list[str]
+    tables: list  # the shards' Arrow tables (into the round memory once the round is durable)
+    train: list[Sequence]  # the round's training trajectories + the replayed ones of earlier rounds
+    held: list[Sequence]  # the held-out ones the gate judges on (this round's + kept ones)
+    info: dict  # rows, train / held-out counts (new ones apart), verification rounds
+    window: dict  # shards, time range and drafter versions of the data
 
 
 class OnlineModel(nn.Module):
@@ -345,8 +370,27 @@ class OnlineTrainer:
     # ------------------------------------------------------------------ one update round
 
     def update_round(self, names: list[str]) -> dict:
-        cfg, r = self.cfg, self.state["round"] + 1
+        """One update round on the shards `names`, the steps of the module docstring in order. -> its summary."""
         t0 = time.perf_counter()
+        data = self._select(names)
+        run_id = self._begin_run(data.info, data.window) if self.rank == 0 else None
+        measured = self._train(data, run_id)
+        summary = self._gate(data, measured, time.perf_counter() - t0)
+        if self.rank == 0:
+            self._log_eval(run_id, data, measured)
+        self._persist(data, run_id, summary)
+        if self.rank == 0:
+            self._publish()
+            self._cleanup()
+            self.memory.prune(data.round, self.memory_rounds)
+            self._retain()
+        self._barrier()
+        return summary
+
+    def _select(self, names: list[str]) -> RoundData:
+        """Step 2: the shards' trajectories split train / held-out by request id, plus the earlier rounds'
+        ones the round memory keeps for replay (`train.replay_rounds`) and for the gate (`gate.heldout_rounds`)."""
+        cfg, r = self.cfg, self.state["round"] + 1
         tables = self._read(names)
         trajs = [t for tab in tables for t in from_arrow(tab)]
         frac = cfg.buffer.heldout_frac
@@ -375,36 +419,51 @@ class OnlineTrainer:
             "heldout_new": new_held,
             "verify_rounds": sum(len(t.rounds) for t in trajs),
         }
-        run_id = self._begin_run(info, window) if self.rank == 0 else None
-        supervise(self.target.model, train + held, cfg.train.eval_seqs)
-        before = self._eval(held)
-        steps = [self._step(train, r, i, run_id) for i in range(cfg.train.steps_per_update)] if train else []
-        refit = refit_head(self.engine.module, train, self.k_blk, cfg.train, seed=cfg.train.seed + r)
-        after = self._eval(held)
-        promote, reason = gate(before, after, cfg.gate.tolerance, cfg.gate.min_heldout_blocks)
-        if not train:
+        return RoundData(r, names, tables, train, held, info, window)
+
+    def _train(self, data: RoundData, run_id: str | None) -> dict:
+        """Step 3: the teacher once, held-out tau before, the optimizer steps, the head refit, held-out tau
+        after. -> {before, after, steps, refit}."""
+        t, r = self.cfg.train, data.round
+        supervise(self.target.model, data.train + data.held, t.eval_seqs)
+        before = self._eval(data.held)
+        steps = [self._step(data.train, r, i, run_id) for i in range(t.steps_per_update)] if data.train else []
+        refit = refit_head(self.engine.module, data.train, self.k_blk, t, seed=t.seed + r)
+        after = self._eval(data.held)
+        return {"before": before, "after": after, "steps": steps, "refit": refit}
+
+    def _gate(self, data: RoundData, measured: dict, seconds: float) -> dict:
+        """Step 4: promote or not, and whether the next round keeps these weights. -> the round's summary."""
+        g = self.cfg.gate
+        before, after, steps = measured["before"], measured["after"], measured["steps"]
+        promote, reason = gate(before, after, g.tolerance, g.min_heldout_blocks)
+        if not data.train:
             promote, reason = False, "no trainable trajectories in the round"
-        keep = promote or cfg.gate.on_reject == "continue"
-        summary = {
-            **info,
-            "seconds": round(time.perf_counter() - t0, 1),
+        return {
+            **data.info,
+            "seconds": round(seconds, 1),
             "tau_before": before["tau"],
             "tau_after": after["tau"],
             "loss_first": steps[0]["loss"] if steps else None,
             "loss_last": steps[-1]["loss"] if steps else None,
             "head_mae_before": before["head_mae"],
             "head_mae_after": after["head_mae"],
-            "head_refit": refit,
+            "head_refit": measured["refit"],
             "promote": promote,
             "reason": reason,
-            "kept": keep,
+            "kept": promote or g.on_reject == "continue",
         }
+
+    def _persist(self, data: RoundData, run_id: str | None, summary: dict) -> None:
+        """Step 5, the exactly-once point: the export, the weights the next round starts from (this round's
+        checkpoint, or the pre-round one back), the round memory and state.json with what is left to publish,
+        then the ledger commit of the round's shards."""
+        r, names = data.round, data.shards
         export = self.ckpt / "exports" / f"round{r}"
         if self.rank == 0:
-            self._log_eval(run_id, before, after, steps, train, refit)
             self._export(export, r, summary)
         tag = f"round{r}"
-        if keep:
+        if summary["kept"]:
             self.engine.save_checkpoint(str(self.ckpt), tag=tag)
         else:  # roll back to the pre-round weights (and optimizer state)
             tag = self.state["weights_tag"]
@@ -423,23 +482,17 @@ class OnlineTrainer:
                 "tags": {
                     "round": str(r),
                     "parent_version": str(self.state["base_version"]),
-                    "loss": cfg.loss.kind,
+                    "loss": self.cfg.loss.kind,
                     "data_window": f"{names[0]}..{names[-1]} ({len(names)} shards)",
-                    "tau_before": f"{before['tau']:.4f}",
-                    "tau_after": f"{after['tau']:.4f}",
+                    "tau_before": f"{summary['tau_before']:.4f}",
+                    "tau_after": f"{summary['tau_after']:.4f}",
                 },
             },
         )
         if self.rank == 0:
-            self.memory.save(r, tables)  # before state.json: a restart never reads a later round's file
+            self.memory.save(r, data.tables)  # before state.json: a restart never reads a later round's file
             self._save_state()  # durable: these weights include these shards
             self.reader.commit(names, tag=r)
-            self._publish()
-            self._cleanup()
-            self.memory.prune(r, self.memory_rounds)
-            self._retain()
-        self._barrier()
-        return summary
 
     def _step(self, seqs, r: int, i: int, run_id: str | None) -> dict:
         """One DeepSpeed optimizer step on this rank's slice of the step's sequences."""
@@ -505,9 +558,11 @@ class OnlineTrainer:
         self.client.log_dict(rid, window, "data_window.json")
         return rid
 
-    def _log_eval(self, run_id: str, before: dict, after: dict, steps: list[dict], train, refit: dict | None) -> None:
+    def _log_eval(self, run_id: str, data: RoundData, measured: dict) -> None:
+        """The round's held-out measurements as metrics of its MLflow run."""
         from mlflow.entities import Metric
 
+        before, after, steps, train, refit = measured["before"], measured["after"], measured["steps"], data.train, measured["refit"]
         now, vals = int(time.time() * 1000), {}
         for when, ev in (("before", before), ("after", after)):
             vals[f"heldout_tau_{when}"] = ev["tau"]
