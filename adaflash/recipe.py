@@ -164,13 +164,13 @@ def loss_step(
     with torch.no_grad():
         acc = accepted_length(logits.flatten(0, 1).argmax(-1), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
     head = length_head_loss(pred.flatten()[full], acc[full], k_blk) if full.any() else pred.sum() * 0.0
-    metrics = {k: float(v) for k, v in out.items() if k != "loss"}
-    metrics.update(
+    terms = {k: float(v) for k, v in out.items() if k != "loss"}
+    terms.update(
         head_loss=float(head.detach()),
         train_acc_len=float(acc[full].float().mean()) if full.any() else 0.0,
         positions=int(batch["valid"].sum()),
     )
-    return {"loss": out["loss"] + loss.head_weight * head, **metrics}
+    return {"loss": out["loss"] + loss.head_weight * head, **terms}
 
 
 def train_step(
