@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaflash.layers import DecoderLayer, RMSNorm, Rotary, frozen_linear, prepack
+from adaflash.length_head import LengthHead, has_length_head, load_length_head
 from adaflash.target import KVCache, TargetModel
 
 WEIGHTS = "model.safetensors"
@@ -383,3 +384,12 @@ def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: s
         drafter.set_vocab(ids)
     prepack(drafter, drafter.lm_head, drafter.draft_head)  # shared LM head (already packed with the target) or copies
     return drafter
+
+
+def load_drafter_and_head(path: str | Path, target, dtype: str | torch.dtype | None = None) -> tuple[Drafter, LengthHead | None]:
+    """A drafter directory for `target` (a loaded Target): the drafter, checked as `load_drafter` does, and
+    its length head, or None when the directory has none (`has_length_head`). What serving, hot-swap,
+    the trainer and the experiments load."""
+    drafter = load_drafter(path, target.model, target.identity, dtype)
+    head = load_length_head(path, drafter.config.hidden_size) if has_length_head(path) else None
+    return drafter, head

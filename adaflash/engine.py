@@ -39,6 +39,7 @@ returns them; whoever collects them decides how long they live.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -48,6 +49,7 @@ from typing import Callable
 
 import torch
 
+from adaflash.buffer import Round, Trajectory
 from adaflash.drafter import Drafter
 from adaflash.spec import build_tree, graft, lookup_chain, pick, propose, tree_mask, verify, verify_tree_greedy
 from adaflash.target import KVCache, TargetModel
@@ -62,21 +64,6 @@ class Request:
     seed: int = 0
     domain: str | None = None
     stop: Callable[[list[int]], int | None] | None = None  # output ids -> keep this many and stop, or None
-
-
-@dataclass
-class Round:
-    """One verification round of one request (what the trajectory buffer records)."""
-
-    anchor: int  # position of the block's first token in prompt + output
-    draft: list[int]  # drafts verified this round (a tree round: its walk's path, the accepted nodes + the best child after them)
-    target: list[int]  # the target's greedy token at each of those positions
-    accepted: int
-    verify_len: int  # tokens verified incl. the anchor
-    pred: float  # length-head prediction (nan without a head)
-    t_ns: int = 0  # wall-clock time of the verification
-    hidden: torch.Tensor | None = None  # [K, H] drafter block states, kept when collecting head data
-    source: str = "drafter"  # or "lookup": the drafts came from prompt lookup, not the drafter
 
 
 @dataclass
@@ -200,6 +187,8 @@ class HeadPolicy(VerifyPolicy):
     name = "head"
 
     def __init__(self, head):
+        if head is None:
+            raise ValueError("verify policy 'head' needs a length head beside the drafter: run `adaflash fit-head` first")
         self.head = head
 
     def draft_len(self, k_blk, head=None):
@@ -214,6 +203,29 @@ class HeadPolicy(VerifyPolicy):
             pred = head(hidden.float())  # [R]
         lens = verify_length(pred, self.draft_len(k_blk, head), c.rate, c.min_len)  # at most the drafted block
         return lens.tolist(), pred.tolist()
+
+
+POLICIES: dict[str, Callable[[object], VerifyPolicy]] = {  # name -> policy, given the drafter's length head or None
+    "ar": lambda head: ARPolicy(),
+    "fixed": lambda head: FixedPolicy(),
+    "ema": lambda head: EMAPolicy(),
+    "head": HeadPolicy,
+}
+POLICY_NAMES = f"auto, {', '.join(POLICIES)}, fixedK (e.g. fixed8)"
+
+
+def known_policy(name: str) -> bool:
+    return name == "auto" or name in POLICIES or re.fullmatch(r"fixed[1-9][0-9]*", name) is not None
+
+
+def make_policy(name: str, head=None) -> VerifyPolicy:
+    """The verify policy called `name` (POLICY_NAMES): fixedK verifies K tokens; auto is the length head
+    when the drafter has one (`head`), else fixed."""
+    if not known_policy(name):
+        raise ValueError(f"unknown verify policy {name!r}; valid: {POLICY_NAMES}")
+    if name == "auto":
+        name = "head" if head is not None else "fixed"
+    return FixedPolicy(int(name[5:])) if name not in POLICIES else POLICIES[name](head)
 
 
 class Engine:
@@ -549,14 +561,10 @@ class Engine:
         return lens
 
     @staticmethod
-    def trajectory(st: RequestState, writer_id: str):
-        """A finished request as a trajectory-buffer row (adaflash.buffer.Trajectory)."""
-        from adaflash import buffer
-
-        rounds = [
-            buffer.Round(r.anchor, r.draft, r.target, r.accepted, r.verify_len, r.pred, r.t_ns) for r in st.rounds if r.source == "drafter"
-        ]  # the buffer describes the drafter
-        return buffer.Trajectory(
+    def trajectory(st: RequestState, writer_id: str) -> Trajectory:
+        """A finished request as a trajectory-buffer row; its drafter rounds only (the buffer describes the drafter)."""
+        rounds = [r for r in st.rounds if r.source == "drafter"]
+        return Trajectory(
             st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds, domain=st.req.domain
         )
 

@@ -10,7 +10,7 @@ DETACHED inside ``forward``, so the head's loss never sends gradients into the d
     pred = sigmoid(Linear(inner -> 1)(x))                     [B]          in (0, 1)
 
 ``pred`` estimates the block's acceptance rate label = clamp((accepted + 1) / block_size, 0, 1)
-(``losses.acceptance_label``), where accepted = ``losses.accepted_length`` of the drafted tokens against the target's.
+(``losses.acceptance_label``), where accepted = ``spec.accepted_length`` of the drafted tokens against the target's.
 ``verify_length`` turns it into how many tokens the target verifies next round.
 
 Training: ``losses.length_head_loss`` (MSE) with the head's own optimizer (AdamW, lr 2e-4). It is first
@@ -150,6 +150,13 @@ def save_length_head(head: LengthHead, out_dir: str | Path, metrics: dict | None
     meta = {"architecture": ARCHITECTURE, "config": asdict(head.config), "metrics": _json_safe(dict(metrics or {}))}
     (out_dir / META).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
     return out_dir
+
+
+def has_length_head(path: str | Path) -> bool:
+    """Whether the (drafter) directory has a length head: either of its two files is there, so a head
+    missing one of them is an error when loaded rather than silently no head."""
+    path = Path(path)
+    return (path / META).exists() or (path / WEIGHTS).exists()
 
 
 def load_length_head(path: str | Path, hidden_size: int | None = None) -> LengthHead:

@@ -1,4 +1,5 @@
-"""Training losses for the drafter: on-policy distillation (OPD), the OSD baseline and the length head.
+"""Training losses for the drafter: pretraining cross-entropy, on-policy distillation (OPD), the OSD baseline
+and the length head (adaflash/recipe.py picks one per step).
 
 All functions are pure functions over tensors. Shapes use N = blocks (rows of a batch), K = drafted
 positions per block, V = vocabulary size, R = flattened rows (N * K or the valid subset of them).
@@ -109,6 +110,15 @@ def osd_loss(
     return {"loss": fkl, "fkl": fkl.detach()}
 
 
+def ce_loss(draft_logits: Tensor, labels: Tensor, valid: Tensor, gamma: float = 7.0) -> dict[str, Tensor]:
+    """DFlash pretraining: cross-entropy against the text's own next tokens, weighted w_k over the valid
+    positions and normalised by the weights in play.  draft_logits [N, K, V]; labels, valid [N, K]
+    -> {"loss": scalar with grad}."""
+    ce = F.cross_entropy(upcast(draft_logits).flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)  # [N, K]
+    w = position_weights(labels.shape[1], gamma, device=valid.device) * valid  # [N, K]
+    return {"loss": (ce * w).sum() / w.sum().clamp(min=1e-6)}
+
+
 def acceptance_label(accepted: Tensor, block_size: int) -> Tensor:
     """Acceptance-rate label of a block, free from verification: clamp((accepted + 1) / block_size, 0, 1).
     The +1 counts the token the target always contributes (its correction or bonus).  [N] int -> [N] fp32."""
@@ -120,10 +130,3 @@ def acceptance_label(accepted: Tensor, block_size: int) -> Tensor:
 def length_head_loss(pred: Tensor, accepted: Tensor, block_size: int) -> Tensor:
     """MSE of the predicted acceptance rate pred [N] in (0, 1) against `acceptance_label`."""
     return F.mse_loss(pred.float(), acceptance_label(accepted, block_size).to(pred.device))
-
-
-def accepted_length(draft: Tensor, target: Tensor) -> Tensor:
-    """Length of the accepted prefix per row: sum(cumprod(draft == target)).  [N, K] x2 -> [N] int64."""
-    if draft.shape != target.shape:
-        raise ValueError(f"draft and target must have the same shape, got {tuple(draft.shape)} and {tuple(target.shape)}")
-    return (draft == target).long().cumprod(dim=-1).sum(dim=-1)

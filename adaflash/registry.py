@@ -8,7 +8,8 @@ serving side's poller that hot-swaps from the registry is `adaflash.server.swap.
   versions, download a version (safetensors + JSON only, cached per version). Every call retries
   connection failures with exponential backoff, then raises `RegistryUnavailable`.
 - `bootstrap`: the first drafter becomes version 1 and champion; later calls return the champion.
-- `load_version`: a downloaded version's drafter and length head, checked against the target.
+
+A downloaded version is a drafter directory: load it with `adaflash.drafter.load_drafter_and_head`.
 """
 
 from __future__ import annotations
@@ -271,15 +272,3 @@ def bootstrap(registry: Registry, drafter_dir: str | Path) -> str:
         log.warning("%s has versions but no `%s` alias: pointing it at the first version %s", registry.model_name, CHAMPION, champion)
         registry.set_champion(champion)
     return champion
-
-
-def load_version(path: str | Path, target, dtype=None):
-    """A downloaded version's (drafter, length head or None), checked against `target` (identity, shapes,
-    finite weights; ValueError otherwise). Used by serving (hot-swap) and by the trainer (follow)."""
-    from adaflash.drafter import load_drafter
-    from adaflash.length_head import load_length_head
-
-    path = Path(path)
-    drafter = load_drafter(path, target.model, target.identity, dtype)
-    head = load_length_head(path, drafter.config.hidden_size) if (path / "length_head.json").exists() else None
-    return drafter, head

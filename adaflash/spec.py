@@ -40,8 +40,10 @@ def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | 
 
 
 def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[B, k] draft and target tokens -> [B] length of the longest equal prefix."""
-    return (draft == target).long().cumprod(dim=1).sum(dim=1)
+    """Length of the longest equal prefix per row (what greedy verification accepts): [..., k] x2 -> [...] int64."""
+    if draft.shape != target.shape:
+        raise ValueError(f"draft and target must have the same shape, got {tuple(draft.shape)} and {tuple(target.shape)}")
+    return (draft == target).long().cumprod(dim=-1).sum(dim=-1)
 
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from adaflash.pipelines.bench import ENGINE_METHODS, HF_METHODS, VLLM_METHODS, bench, is_vllm, known_method, split_method, write_bench
 
-    from adaflash.drafter import load_drafter
+    from adaflash.drafter import load_drafter_and_head
     from adaflash.target import load_target
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -175,14 +175,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.lookup_len < 1 or not 1 <= args.lookup_min_ngram <= 3:
         raise UsageError(f"--lookup-len must be >= 1 (got {args.lookup_len}) and --lookup-min-ngram 1..3 (got {args.lookup_min_ngram})")
     target = load_target(args.target, args.dtype)
-    drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
-    head = None
-    if any(split_method(m)[0] == "head" for m in methods):
-        from adaflash.length_head import load_length_head
-
-        if not (Path(args.drafter) / "length_head.json").exists():
-            raise UsageError(f"method 'head' needs {args.drafter}/length_head.json: run `adaflash fit-head` first")
-        head = load_length_head(args.drafter, drafter.config.hidden_size)
+    drafter, head = load_drafter_and_head(args.drafter, target, args.drafter_dtype)
+    if head is None and any(split_method(m)[0] == "head" for m in methods):
+        raise UsageError(f"method 'head' needs a length head in {args.drafter}: run `adaflash fit-head` first")
     hf_model = None
     if any(m in HF_METHODS for m in methods):
         from transformers import AutoModelForCausalLM

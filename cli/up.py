@@ -42,7 +42,9 @@ class MlflowSection:
 
 
 @dataclass
-class ServeSection:
+class ServeProcess:
+    """The `adaflash serve` child: its config and the overrides applied to a copy of it."""
+
     config: str = "configs/serve_smollm2.yaml"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -50,7 +52,9 @@ class ServeSection:
 
 
 @dataclass
-class TrainSection:
+class TrainProcess:
+    """The `adaflash train` child (the online trainer; its recipe keys are in its own config's `train:`)."""
+
     config: str = "configs/online_smollm2.yaml"
     settle_s: float = 5.0  # the trainer counts as started once it has stayed up this long
     set: dict = field(default_factory=dict)
@@ -76,8 +80,8 @@ class UpConfig:
     experiment: str = "adaflash-online"  # the trainer's MLflow experiment (one run per update round)
     drafter: str = "models/drafter-smollm2"  # registered as version 1 / champion when the registry is empty
     mlflow: MlflowSection = field(default_factory=MlflowSection)
-    serve: ServeSection = field(default_factory=ServeSection)
-    train: TrainSection | None = field(default_factory=TrainSection)  # null: serve without online training
+    serve: ServeProcess = field(default_factory=ServeProcess)
+    train: TrainProcess | None = field(default_factory=TrainProcess)  # null: serve without online training
     loadgen: LoadgenSection | None = field(default_factory=LoadgenSection)  # null: bring your own traffic
     restart: list[str] = field(default_factory=lambda: ["serve", "train"])  # children restarted when they die on their own
     max_restarts: int = 5  # per child; one more death stops the loop with its log

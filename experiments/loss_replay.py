@@ -8,7 +8,7 @@ cannot be told apart that way. This replays what serving recorded instead:
   for each named loss and each seed, from the same starting drafter:
     for round r = 1..R: `steps_per_update` optimizer steps on round r's trajectories plus those of the
     previous `train.replay_rounds` rounds (the gate's held-out fifth excluded, as the trainer does),
-    through the online trainer's own data path (`trainer.data`) and loss (`trainer.online.distill_loss`);
+    through the online trainer's own data path (`trainer.data`) and training step (`adaflash.recipe`);
     then held-out tau.
 
 Held-out tau here is teacher-forced: the target's own greedy answers to eval prompts (generated once,
@@ -17,9 +17,9 @@ length of the drafter's block argmax against the target's next tokens. For greed
 acceptance verification gives (the served text IS the target's greedy text), measured on several times
 more prompts than the online run serves. The seed sets the batch order and anchor sampling.
 
-Differences from the online trainer: the drafter only (no length head), no promotion gate (every round is
-kept), and plain torch AdamW with per-model gradient clipping (what the trainer's DeepSpeed ZeRO-0 engine
-runs). Recorded anchors come from the drafter that served the traffic, not the one being trained.
+Differences from the online trainer: the drafter only (no length head) on a single process (DeepSpeed
+ZeRO 0, its gradients clipped as the trainer clips a parameter group), and no promotion gate (every round
+is kept). Recorded anchors come from the drafter that served the traffic, not the one being trained.
 Resumable: each finished (loss, seed) is a line of OUT/runs.jsonl and is not redone.
 Outputs: results.json, report.md, tau_per_round.png.
 """
@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from adaflash.trainer.config import LossSection, TrainSection
+from adaflash.trainer.config import OnlineLossSection, TrainSection
 from tqdm import tqdm
 
 from adaflash.config import ConfigError, from_dict, to_dict
+from adaflash.recipe import block_logits, clip_per_group, deepspeed_config, train_step
 
 
 @dataclass
@@ -75,7 +76,7 @@ class ReplayConfig:
     def __post_init__(self):
         if not self.losses:
             raise ValueError("losses must name at least one loss, e.g. {osd: {kind: osd}, opd: {kind: opd}}")
-        self.loss_sections = {name: from_dict(LossSection, keys, f"losses.{name}") for name, keys in self.losses.items()}
+        self.loss_sections = {name: from_dict(OnlineLossSection, keys, f"losses.{name}") for name, keys in self.losses.items()}
         for name, lc in self.loss_sections.items():
             if lc.kind not in ("opd", "osd"):
                 raise ValueError(f"losses.{name}.kind must be 'opd' or 'osd' (a distillation loss), got {lc.kind!r}")
@@ -167,11 +168,6 @@ def eval_sequences(answers: list[dict], domain: str, k_blk: int, stride: int) ->
     return seqs
 
 
-def draft_logits(drafter, batch: dict) -> torch.Tensor:
-    """The drafter's block logits for a `trainer.data.make_batch` batch.  -> [B, NB, K-1, V]."""
-    return drafter.lm_head(drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"]))
-
-
 def weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
@@ -242,19 +238,22 @@ class Replay:
 
         def forward(batch):  # -> draft logits [B, NB, K-1, V], no head: zeros [B, NB]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.train.autocast_bf16):
-                return draft_logits(drafter, batch), torch.zeros(batch["anchors"].shape)
+                return block_logits(drafter, batch), torch.zeros(batch["anchors"].shape)
 
         return heldout_tau(forward, self.eval, self.k_blk, self.cfg.train.anchors_per_seq, self.cfg.train.eval_seqs)["tau"]
 
     def run_one(self, name: str, seed: int, start_tau: float | None) -> dict:
+        import deepspeed
         from adaflash.trainer.data import make_batch, train_items
-        from adaflash.trainer.online import distill_loss
+
+        from adaflash.distributed import init_distributed
 
         cfg, t, lc = self.cfg, self.cfg.train, self.cfg.loss_sections[name]
         torch.manual_seed(seed)
         drafter = self._drafter().requires_grad_(True)
-        params = list(drafter.parameters())
-        opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        init_distributed()
+        engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=drafter.parameters(), config=deepspeed_config(t, clip=False))
+        clip = (lambda e: {"grad_norm": clip_per_group(e, t.grad_clip)[0]}) if t.grad_clip > 0 else None
         taus = [start_tau if start_tau is not None else self.heldout_tau(drafter)]
         losses, t0 = [], time.perf_counter()
         bar = tqdm(total=cfg.rounds * t.steps_per_update, desc=f"{name} seed {seed}", unit="step", leave=False)
@@ -263,18 +262,8 @@ class Replay:
             round_losses = []
             for i in range(t.steps_per_update):
                 batch = make_batch(train_items(seqs, i, 0, 1, t.seqs_per_step, t.anchors_per_seq, seed, r), self.k_blk)
-                drafter.train()
-                with torch.no_grad():
-                    tgt_logits = self.target.model.lm_head(batch["tgt_hidden"]).float()  # [B, NB, K-1, V]
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
-                    logits = draft_logits(drafter, batch)  # [B, NB, K-1, V]
-                loss = distill_loss(logits, tgt_logits, batch["valid"], lc)["loss"]
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if t.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-                opt.step()
-                round_losses.append(float(loss.detach()))
+                step = train_step(engine, batch, lc, teacher=self.target.model, autocast=t.autocast_bf16, clip=clip)
+                round_losses.append(step["loss"])
                 bar.update(1)
             losses.append(statistics.fmean(round_losses))
             taus.append(self.heldout_tau(drafter))

@@ -18,7 +18,7 @@ prompts, train split) through the real pieces, one arm at a time, every arm from
        recorded for each block and compared with the acceptance rate (accepted + 1) / K: head MAE;
        likewise the starting drafter's head on the same blocks (start head MAE: what not updating costs).
 
-Round 0 is the starting drafter's held-out tau. Held-out measurements are cached by weight fingerprint
+Round 0 is the starting drafter's held-out tau. Held-out measurements are cached by weights digest
 (greedy serving is deterministic), so an unchanged drafter (arm `none`, a rejected round) is measured once.
 Resumable: each finished (arm, round) is a line of OUT/rows.jsonl and is never redone; a round cut
 short is redone from its start (its stale shard is removed first; the trainer resumes from its own
@@ -137,11 +137,12 @@ class Slot:
     drafter: object
     head: object | None
     version: str
-    fingerprint: str
+    digest: str  # dir_digest of `path`
 
 
-def fingerprint(path: Path) -> str:
-    """Hash of the weights (drafter + length head): equal iff the served weights are equal."""
+def dir_digest(path: Path) -> str:
+    """Hash of a drafter directory's weight files (drafter, draft vocabulary, length head): equal iff the
+    served weights are equal (unlike target.fingerprint, which tells targets apart)."""
     h = hashlib.sha256()
     for name in ("model.safetensors", "draft_vocab.safetensors", "length_head.safetensors"):
         if (path / name).exists():
@@ -150,12 +151,9 @@ def fingerprint(path: Path) -> str:
 
 
 def load_slot(path: Path, target, dtype: str, version: str) -> Slot:
-    from adaflash.drafter import load_drafter
-    from adaflash.length_head import load_length_head
+    from adaflash.drafter import load_drafter_and_head
 
-    drafter = load_drafter(path, target.model, target.identity, dtype)
-    head = load_length_head(path, drafter.config.hidden_size) if (path / "length_head.json").exists() else None
-    return Slot(Path(path), drafter, head, version, fingerprint(Path(path)))
+    return Slot(Path(path), *load_drafter_and_head(path, target, dtype), version, dir_digest(Path(path)))
 
 
 class ProbePolicy(FixedPolicy):
@@ -348,8 +346,8 @@ class Experiment:
         return write_report(self.rows, self.cfg, self.meta, self.out, self.log)
 
     def heldout(self, slot: Slot) -> dict:
-        """Held-out tau and head MAE of `slot` (cached by weight fingerprint)."""
-        if slot.fingerprint not in self.evals:
+        """Held-out tau and head MAE of `slot` (cached by weights digest)."""
+        if slot.digest not in self.evals:
             _, st = serve(
                 self.target,
                 slot,
@@ -360,9 +358,9 @@ class Experiment:
                 "heldout",
                 f"held-out v{slot.version}",
             )
-            self.evals[slot.fingerprint] = st
+            self.evals[slot.digest] = st
             self.evals_path.write_text(json.dumps(self.evals, indent=1))
-        return self.evals[slot.fingerprint]
+        return self.evals[slot.digest]
 
     def run_arm(self, arm: str, uri: str) -> None:
         from adaflash.registry import Registry
@@ -412,7 +410,7 @@ class Experiment:
                 "minutes": round(minutes, 3),
                 "rows_trained": summary["train"] if summary else 0,
                 "drafter_version": slot.version,
-                "fingerprint": slot.fingerprint,
+                "fingerprint": slot.digest,  # the results' name for the weights digest
                 "promoted": summary and summary["promote"],
                 "trainer_tau_before": summary and summary["tau_before"],
                 "trainer_tau_after": summary and summary["tau_after"],

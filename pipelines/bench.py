@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
+from adaflash.engine import POLICIES, Engine, Request, known_policy, make_policy
 from adaflash.layers import prepack
 
-ENGINE_METHODS = ("ar", "fixed", "ema", "head")
+ENGINE_METHODS = tuple(POLICIES)  # the engine's verify policies (plus fixedK)
 HF_METHODS = ("hf", "hf-pld")
 VLLM_METHODS = ("vllm", "vllm-ngram", "vllm-dflash")  # + vllm-dflashK
 FULL_VOCAB = "-fullvocab"  # suffix: the same method drafting from the whole vocabulary
@@ -67,31 +67,18 @@ def known_method(method: str) -> bool:
     base, _, full = split_method(method)
     if full and base == "ar":
         return False  # only drafting methods have a draft vocabulary
-    return base in ENGINE_METHODS or (base.startswith("fixed") and base[5:].isdigit()) or (base.startswith("tree") and base[4:].isdigit())
+    return base != "auto" and (known_policy(base) or is_tree(base))
+
+
+def is_tree(base: str) -> bool:
+    """treeN: greedy token trees of N drafted nodes (Engine.tree); a sampled request verifies the whole block."""
+    return base.startswith("tree") and base[4:].isdigit() and int(base[4:]) >= 1
 
 
 @dataclass
 class BenchPrompt:
     domain: str
     ids: list[int]
-
-
-def make_policy(method: str, head=None):
-    if method == "ar":
-        return ARPolicy()
-    if method == "fixed":
-        return FixedPolicy()
-    if method.startswith("fixed") and method[5:].isdigit():
-        return FixedPolicy(int(method[5:]))
-    if method.startswith("tree") and method[4:].isdigit():
-        return FixedPolicy()  # greedy requests verify trees; a sampling one would verify the whole block
-    if method == "ema":
-        return EMAPolicy()
-    if method == "head":
-        if head is None:
-            raise ValueError("method 'head' needs a length head beside the drafter (run `adaflash fit-head` first)")
-        return HeadPolicy(head)
-    raise ValueError(f"unknown method {method!r}; methods: ar, fixed, fixedK, ema, head, treeN, hf, hf-pld")
 
 
 def run_engine(
@@ -111,13 +98,13 @@ def run_engine(
     engine = Engine(
         target,
         drafter if base != "ar" else None,
-        make_policy(base, head),
+        make_policy("fixed" if is_tree(base) else base, head),
         eos,
         max_batch=concurrency,
         token_budget=token_budget,
         lookup=lookup[0] if with_lookup else 0,
         lookup_min=lookup[1],
-        tree=int(base[4:]) if base.startswith("tree") else 0,
+        tree=int(base[4:]) if is_tree(base) else 0,
     )
     reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
     vocab = drafter.vocab if drafter is not None else None

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
-import torch.nn.functional as F
 from adaflash.pipelines.evaluate import EvalSection
 from tqdm import tqdm
 
 from adaflash.config import to_dict
 from adaflash.distributed import from_rank0, init_distributed
 from adaflash.drafter import Drafter, DrafterConfig
+from adaflash.recipe import LossSection, StepSection, deepspeed_config, train_step
 from adaflash.target import Target, load_target
 
 STAGES = ("prompts", "regenerate", "train", "export", "eval")
@@ -71,26 +71,23 @@ class DrafterSection:
 
 
 @dataclass
-class TrainSection:
-    seqs_per_step: int = 4
-    anchors_per_seq: int = 24
-    max_steps: int = 3000
+class TrainSection(StepSection):
+    anchors_per_seq: int = 24  # random anchors in each response
     lr: float = 6e-4
-    warmup_frac: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
     autocast_bf16: bool = True
+    max_steps: int = 3000
+    warmup_frac: float = 0.04
+    gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
     save_every: int = 200
     log_every: int = 20  # steps between accuracy metrics (an argmax over the vocabulary)
     time_limit_min: float | None = None  # checkpoint and stop after this long (resume later)
-    seed: int = 0
     domains: list[str] | None = None  # train only on answers of these domains (None = all regenerated)
     features: str = "stored"  # "stored": read the regenerated features; "target": recompute them each step (GPU)
 
     def __post_init__(self):
-        if self.seqs_per_step < 1 or self.anchors_per_seq < 1 or self.max_steps < 1:
-            raise ValueError("seqs_per_step, anchors_per_seq and max_steps must be >= 1")
+        super().__post_init__()
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.features not in ("stored", "target"):
             raise ValueError(f"train.features must be 'stored' or 'target', got {self.features!r}")
         if not 0 <= self.warmup_frac < 1:
@@ -162,7 +159,7 @@ class AnswerSet:
         return tokens, feats, len(r["prompt_ids"])
 
 
-def make_batch(data: AnswerSet, indices: list[int], anchors_per_seq: int, rng: random.Random) -> dict:
+def sample_batch(data: AnswerSet, indices: list[int], anchors_per_seq: int, rng: random.Random) -> dict:
     """Right-padded batch with random anchors in each response (anchor a: block [x_a, MASK...]).
     "feats" is None when the answer set reads no features (the target recomputes them)."""
     ex = [data.example(i) for i in indices]
@@ -182,14 +179,6 @@ def make_batch(data: AnswerSet, indices: list[int], anchors_per_seq: int, rng: r
     return {"tokens": tokens, "feats": feats, "anchors": anchors, "lengths": lengths}
 
 
-def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor, k_blk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> labels [B, NB, K-1] (token at anchor + k) and valid mask [B, NB, K-1]."""
-    pos = anchors[:, :, None] + torch.arange(1, k_blk, device=anchors.device)  # [B, NB, K-1]
-    valid = (anchors[:, :, None] >= 0) & (pos < lengths[:, None, None])
-    labels = torch.gather(tokens, 1, pos.clamp(max=tokens.shape[1] - 1).flatten(1)).view(pos.shape)
-    return labels, valid
-
-
 @torch.no_grad()
 def target_features(target: Target, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Right-padded tokens [B, T] -> the target-layer features [B, T, n*H] that regeneration would have
@@ -200,45 +189,19 @@ def target_features(target: Target, tokens: torch.Tensor, lengths: torch.Tensor)
     return feats
 
 
-def dflash_loss(drafter: Drafter, batch: dict, gamma: float, metrics: bool = True) -> tuple[torch.Tensor, dict]:
-    """Position-weighted CE over block positions 1..K-1, normalised by the weights in play.
-    `metrics` adds accuracy at position 1 and the greedy accepted length (an argmax over V: costly)."""
-    k_blk = drafter.block_size
-    h = drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])  # [B, NB, K-1, H]
-    labels, valid = block_labels(batch["tokens"], batch["anchors"], batch["lengths"], k_blk)
-    logits = drafter.lm_head(h)  # [B, NB, K-1, V]
-    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-    w = torch.exp(-torch.arange(k_blk - 1, dtype=torch.float32, device=valid.device) / gamma) * valid  # [B, NB, K-1]
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    if not metrics:
-        return loss, {}
-    with torch.no_grad():
-        correct = (logits.argmax(-1) == labels) & valid
-        acc_pos = correct.sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)
-        # drafts a greedy verifier would accept: length of the correct prefix of each block
-        acc_len = correct.long().cumprod(-1).sum(-1).float()[batch["anchors"] >= 0].mean()
-    return loss, {"acc_pos1": float(acc_pos[0]), "acc_len": float(acc_len)}
+# --------------------------------------------------------------------------- training
 
 
-# --------------------------------------------------------------------------- deepspeed
-
-
-def ds_config(tc: TrainSection) -> dict:
+def warmup_cosine(tc: TrainSection) -> dict:
+    """DeepSpeed's learning-rate schedule for pretraining: linear warmup, cosine down to 5%."""
     return {
-        "train_micro_batch_size_per_gpu": tc.seqs_per_step,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": tc.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "torch_adam": True}},
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": tc.max_steps,
-                "warmup_num_steps": max(1, int(tc.warmup_frac * tc.max_steps)),
-                "warmup_min_ratio": 0.0,
-                "cos_min_ratio": 0.05,
-            },
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": tc.max_steps,
+            "warmup_num_steps": max(1, int(tc.warmup_frac * tc.max_steps)),
+            "warmup_min_ratio": 0.0,
+            "cos_min_ratio": 0.05,
         },
-        "steps_per_print": 10**9,
     }
 
 
@@ -295,7 +258,8 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
             )
         init_from_target(drafter, target)  # a resumed run overwrites this with its checkpoint
     init_distributed()
-    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=drafter.parameters(), config=ds_config(tc))
+    config = deepspeed_config(tc, scheduler=warmup_cosine(tc))
+    engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=drafter.parameters(), config=config)
     ckpt = run_dir / "checkpoints"
     if (ckpt / "latest").exists():
         engine.load_checkpoint(str(ckpt))
@@ -304,22 +268,20 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
     log_path = run_dir / "train_log.jsonl"
     per_epoch = max(1, len(data) // (tc.seqs_per_step * world))
     t0, started = time.perf_counter(), step
+    loss = LossSection(kind="ce", gamma=tc.gamma)  # DFlash: the text's own next tokens
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=rank != 0)
     while step < tc.max_steps:
         epoch, idx = divmod(step, per_epoch)
         order = list(range(len(data)))
         random.Random(tc.seed * 1_000_003 + epoch).shuffle(order)  # same order after a resume, on every rank
         rng = random.Random(tc.seed * 7919 + step + 1_000_033 * rank)
-        batch = make_batch(data, rank_batch(order, idx, tc.seqs_per_step, rank, world), tc.anchors_per_seq, rng)
+        batch = sample_batch(data, rank_batch(order, idx, tc.seqs_per_step, rank, world), tc.anchors_per_seq, rng)
         batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if v is not None}
         if tc.features == "target":
             batch["feats"] = target_features(target, batch["tokens"], batch["lengths"])
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=tc.autocast_bf16):
-            loss, metrics = dflash_loss(engine.module, batch, tc.gamma, metrics=step % tc.log_every == 0)
-        engine.backward(loss)
-        engine.step()
+        metrics = train_step(engine, batch, loss, autocast=tc.autocast_bf16, metrics=step % tc.log_every == 0)
         step = engine.global_steps
-        rec = {"step": step, "epoch": epoch, "loss": round(loss.detach().item(), 4), "lr": engine.get_lr()[0], **metrics}
+        rec = {"step": step, "epoch": epoch, "loss": round(metrics.pop("loss"), 4), "lr": engine.get_lr()[0], **metrics}
         if rank == 0:  # rank 0's batch stands for the step in the log
             with open(log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")

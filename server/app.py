@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
-from pathlib import Path
 
 import uvicorn
 from adaflash.server import protocol as P
@@ -32,7 +31,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request
+from adaflash.engine import Engine, Request, make_policy
 
 log = logging.getLogger("adaflash.server")
 
@@ -43,29 +42,15 @@ def default_writer_id() -> str:
 
 
 def build_engine(cfg: ServeConfig, target):
-    """Drafter + verify policy + Engine for `target` as the config says."""
-    from adaflash.drafter import load_drafter
-    from adaflash.length_head import load_length_head
+    """Drafter (+ its length head) + verify policy + Engine for `target` as the config says."""
+    from adaflash.drafter import load_drafter_and_head
 
     m, e = cfg.model, cfg.engine
-    drafter = None if m.policy == "ar" else load_drafter(m.drafter, target.model, target.identity, m.drafter_dtype)
-    policy_name = m.policy
-    if policy_name == "auto":
-        policy_name = "head" if (Path(m.drafter) / "length_head.safetensors").exists() else "fixed"
-    head = None
-    if policy_name == "head":
-        head = load_length_head(m.drafter, drafter.config.hidden_size)
-        policy = HeadPolicy(head)
-    elif policy_name == "ema":
-        policy = EMAPolicy()
-    elif policy_name == "ar":
-        policy = ARPolicy()
-    else:
-        policy = FixedPolicy(m.fixed_len)
+    drafter, head = (None, None) if m.policy == "ar" else load_drafter_and_head(m.drafter, target, m.drafter_dtype)
     return Engine(
         target.model,
         drafter,
-        policy,
+        make_policy(m.policy, head),
         target.eos_ids,
         e.max_batch,
         e.token_budget,

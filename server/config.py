@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from adaflash.drafter import DEFAULT_DRAFTER
-
-POLICIES = ("auto", "head", "fixed", "ema", "ar")  # plus fixedK, e.g. fixed8
+from adaflash.engine import POLICY_NAMES, known_policy
 
 
 def _positive(section: str, **values) -> None:
@@ -30,8 +28,8 @@ class ModelSection:
     def __post_init__(self):
         if not self.name.strip():
             raise ValueError("model.name must not be empty")
-        if self.policy not in POLICIES and not re.fullmatch(r"fixed[1-9][0-9]*", self.policy):
-            raise ValueError(f"model.policy must be one of {', '.join(POLICIES)} or fixedK (e.g. fixed8), got {self.policy!r}")
+        if not known_policy(self.policy):
+            raise ValueError(f"model.policy must be one of {POLICY_NAMES}, got {self.policy!r}")
 
     @property
     def fixed_len(self) -> int | None:

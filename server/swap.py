@@ -7,7 +7,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from adaflash.registry import Registry, RegistryUnavailable, _transient, load_version
+from adaflash.drafter import load_drafter_and_head
+from adaflash.registry import Registry, RegistryUnavailable, _transient
 
 log = logging.getLogger("adaflash.registry")
 
@@ -108,4 +109,4 @@ class HotSwapper:
     def _load(self, path: Path):
         current = self.engine.drafter
         dtype = current.fc.weight.dtype if current is not None else None  # same dtype as the one serving
-        return load_version(path, self.target, dtype)
+        return load_drafter_and_head(path, self.target, dtype)

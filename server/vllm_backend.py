@@ -38,8 +38,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from adaflash.buffer import Round
 from adaflash.dflash_format import vllm_python
-from adaflash.engine import DrafterSlot, Engine, Request, RequestState, Round
+from adaflash.engine import DrafterSlot, Engine, Request, RequestState
 
 log = logging.getLogger("adaflash.server")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request and health poll otherwise

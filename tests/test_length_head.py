@@ -19,7 +19,8 @@ from adaflash.length_head import (
     save_length_head,
     verify_length,
 )
-from adaflash.losses import accepted_length, length_head_loss
+from adaflash.losses import length_head_loss
+from adaflash.spec import accepted_length
 
 H, K = 16, 6
 

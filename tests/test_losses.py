@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from adaflash.losses import (
-    accepted_length,
+    ce_loss,
     length_head_loss,
     opd_loss,
     opd_row_terms,
     osd_loss,
     position_weights,
 )
+from adaflash.spec import accepted_length
 
 # fp32 computation compared with fp64 references
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -252,6 +253,22 @@ def test_osd_zero_when_equal():
     draft, _, valid = make_inputs(seed=7)
     out = osd_loss(draft, draft.detach().clone(), valid)
     assert abs(out["loss"].item()) < 1e-6
+
+
+def test_ce_loss_matches_reference():
+    """Pretraining: w_k-weighted cross-entropy against the labels over the valid positions / the weights in play."""
+    torch.manual_seed(0)
+    n, k, v, gamma = 3, 4, 7, 7.0
+    logits = torch.randn(n, k, v, dtype=torch.float64)
+    labels, valid = torch.randint(0, v, (n, k)), torch.rand(n, k) > 0.3
+    num = den = 0.0
+    for i in range(n):
+        for j in range(k):
+            if valid[i, j]:
+                w = math.exp(-j / gamma)
+                num -= w * float(ref_log_softmax(logits[i, j])[labels[i, j]])
+                den += w
+    torch.testing.assert_close(ce_loss(logits, labels, valid, gamma)["loss"].item(), num / den, **TOL)
 
 
 def test_length_head_loss():

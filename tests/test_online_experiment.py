@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from adaflash.experiments.loss_replay import Replay, ReplayConfig
-from adaflash.experiments.online_experiment import Experiment, ExperimentConfig, fingerprint
+from adaflash.experiments.online_experiment import Experiment, ExperimentConfig, dir_digest
 from adaflash.experiments.swap_bench import SwapConfig, run_swap_bench
 
 from adaflash.config import ConfigError, from_dict, load_config
@@ -112,7 +112,7 @@ def test_domain_shift_rounds_train_publish_and_measure(tmp_path, tiny_hf_dir, ti
 
     rows = {(r["arm"], r["round"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert set(rows) == {(a, r) for a in ("opd", "osd", "head", "none") for r in range(3)}
-    start = fingerprint(tiny_drafter_dir)
+    start = dir_digest(tiny_drafter_dir)
     for arm in ("opd", "osd", "head", "none"):
         assert rows[arm, 0]["heldout_tau"] == rows["none", 0]["heldout_tau"] >= 1.0  # one shared starting point
         assert rows[arm, 0]["fingerprint"] == start and rows[arm, 0]["rows_trained"] == 0

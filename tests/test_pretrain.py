@@ -12,9 +12,10 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
-from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, block_labels, run_stages
+from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, run_stages
 
 from adaflash.config import ConfigError, from_dict, load_config, to_dict
+from adaflash.recipe import block_labels
 
 
 def tiny_config(tmp_path, source: str, max_steps: int) -> PretrainConfig:
@@ -78,7 +79,7 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
 def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path, tiny_hf_dir):
     """The GPU recipe (configs/pretrain_smollm2_gpu.yaml) on the CPU: greedy + sampled answers stored
     as token ids only, training recomputes the target features each step."""
-    from adaflash.pipelines.pretrain import make_batch, target_features
+    from adaflash.pipelines.pretrain import sample_batch, target_features
 
     from adaflash.target import load_target
 
@@ -86,7 +87,7 @@ def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path,
     stored.regen.limit_per_domain = 2
     run_stages(stored, ["prompts", "regenerate"])
     data = AnswerSet(tmp_path / "run" / "answers")
-    batch = make_batch(data, [0, 1], 2, random.Random(0))
+    batch = sample_batch(data, [0, 1], 2, random.Random(0))
     target = load_target(str(tiny_hf_dir), "float32")
     again = target_features(target, batch["tokens"], batch["lengths"])  # [B, T, n*H]
     for b in range(2):

@@ -17,8 +17,9 @@ import torch
 import yaml
 from adaflash.trainer.config import OnlineConfig
 from adaflash.trainer.data import Sequence, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
-from adaflash.trainer.online import OnlineModel, OnlineTrainer, clip_per_group, ds_config, gate, refit_head, retired_shards, update_loss
+from adaflash.trainer.online import OnlineModel, OnlineTrainer, ds_config, gate, refit_head, retired_shards
 
+from adaflash import recipe
 from adaflash.buffer import ShardReader, ShardWriter
 from adaflash.config import from_dict, load_config
 from adaflash.drafter import load_drafter
@@ -257,15 +258,8 @@ def ds_engine(served, drafter_dir, cfg: OnlineConfig):
 
 
 def train_step(engine, target, batch, cfg) -> dict:
-    engine.train()
-    with torch.no_grad():
-        tgt_logits = target.model.lm_head(batch["tgt_hidden"]).float()
-    logits, pred = engine(batch)
-    loss, metrics = update_loss(logits, pred, tgt_logits, batch, cfg)
-    engine.backward(loss)
-    norms = clip_per_group(engine, cfg.train.grad_clip)
-    engine.step()
-    return {"loss": float(loss.detach()), "grad_norms": norms, **metrics}
+    clip = lambda e: {"grad_norms": recipe.clip_per_group(e, cfg.train.grad_clip)}  # noqa: E731
+    return recipe.train_step(engine, batch, cfg.loss, forward=engine, teacher=target.model, clip=clip)
 
 
 def test_drafter_and_head_gradients_are_clipped_apart(served, supervised, tiny_drafter_dir):

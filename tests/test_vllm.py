@@ -232,7 +232,7 @@ def test_rows_from_vllm_replay_to_the_same_acceptance(served, target):
     drafter over prompt + output) accepts what vLLM accepted in that step (greedy)."""
     from adaflash.trainer.data import make_batch, supervise, to_sequences
 
-    from adaflash.losses import accepted_length
+    from adaflash.spec import accepted_length
 
     url, client, _, _, tmp, _ = served
     _wait_version(url, "1", 60)

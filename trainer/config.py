@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adaflash.kernels.opd import CLIP_MODES
+from adaflash.recipe import LossSection, StepSection
 
 
 @dataclass
@@ -78,49 +78,29 @@ class RetentionSection:
             )
 
 
-LOSS_KINDS = ("opd", "osd", "head")
+@dataclass
+class OnlineLossSection(LossSection):
+    """The online trainer distils (opd, osd) or trains the length head alone (head); no pretraining ce."""
+
+    KINDS = ("opd", "osd", "head")
 
 
 @dataclass
-class LossSection:
-    kind: str = "opd"  # "opd" (AdaFlash: top-1 CE + clipped reverse KL), "osd" (baseline: forward KL), or
-    #                    "head" (the drafter stays frozen; only the length head learns from the live acceptance labels)
-    alpha: float = 0.8  # OPD weight of the hard top-1 term; 1 - alpha goes to the reverse KL
-    temperature: float = 1.0
-    clip: float | None = 1.0  # clip of the reverse-KL terms; null disables clipping
-    clip_mode: str = "vocab"  # "vocab": clip every vocabulary term (the mission's choice), "token": the row sum
-    gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
-    head_weight: float = 1.0  # weight of the length-head MSE (its gradients reach only the head)
+class TrainSection(StepSection):
+    """The online recipe's keys; seqs_per_step counts trajectories, anchors_per_seq their recorded (on-policy)
+    blocks sampled per step; lr is the drafter's (fine-tuning a pretrained drafter); grad_clip applies per
+    group (drafter, head) with ZeRO 0, to the global norm under ZeRO > 0."""
 
-    def __post_init__(self):
-        if self.kind not in LOSS_KINDS:
-            raise ValueError(f"kind must be one of {LOSS_KINDS}, got {self.kind!r}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-        if self.clip_mode not in CLIP_MODES:
-            raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
-        if self.temperature <= 0 or self.gamma <= 0:
-            raise ValueError("temperature and gamma must be > 0")
-
-
-@dataclass
-class TrainSection:
     steps_per_update: int = 50  # optimizer steps per update round
     first_steps: int | None = None  # round 1 takes only this many steps; doubling each round up to steps_per_update
-    seqs_per_step: int = 4  # trajectories per step (per rank)
-    anchors_per_seq: int = 16  # recorded (on-policy) blocks sampled per trajectory per step
-    lr: float = 3e-5  # drafter learning rate (fine-tuning a pretrained drafter)
     head_lr: float = 2e-4  # length-head learning rate (its own parameter group)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max gradient norm, per group (drafter, head) with ZeRO 0; global under ZeRO > 0
-    autocast_bf16: bool = False  # bf16 autocast of the drafter forward on CPU
     eval_seqs: int = 8  # trajectories per forward when computing supervision and held-out tau
     replay_rounds: int = 0  # also train on the training trajectories of this many previous rounds
     head_refit_epochs: int = 0  # after the steps, refit the length head on the final drafter (drafter frozen); 0 = off
-    seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps_per_update", "seqs_per_step", "anchors_per_seq", "eval_seqs"):
+        super().__post_init__()
+        for name in ("steps_per_update", "eval_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.first_steps is not None and not 1 <= self.first_steps <= self.steps_per_update:
@@ -129,8 +109,8 @@ class TrainSection:
             raise ValueError(f"head_refit_epochs must be >= 0 (0 = off), got {self.head_refit_epochs}")
         if self.replay_rounds < 0:
             raise ValueError(f"replay_rounds must be >= 0 (0 = the new round only), got {self.replay_rounds}")
-        if self.lr <= 0 or self.head_lr <= 0:
-            raise ValueError("lr and head_lr must be > 0")
+        if self.head_lr <= 0:
+            raise ValueError(f"head_lr must be > 0, got {self.head_lr}")
 
 
 @dataclass
@@ -184,7 +164,7 @@ class OnlineConfig:
     target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     buffer: BufferSection = field(default_factory=BufferSection)
-    loss: LossSection = field(default_factory=LossSection)
+    loss: OnlineLossSection = field(default_factory=OnlineLossSection)
     train: TrainSection = field(default_factory=TrainSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

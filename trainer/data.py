@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from adaflash.buffer import Trajectory
-from adaflash.losses import acceptance_label, accepted_length
+from adaflash.losses import acceptance_label
+from adaflash.spec import accepted_length
 from adaflash.target import TargetModel
 
 

@@ -2,19 +2,20 @@
 OSD baseline) plus the length head through DeepSpeed, gates each update on held-out tau and publishes
 every round's drafter to the MLflow model registry.
 
-One update round:
+One update round (`update_round`; the method doing each step in brackets):
   1. wait until >= `buffer.min_new_rounds` verification rounds sit in uncommitted shards; take the
-     oldest shards up to that count (same rule after a restart, so a retried round sees the same data)
-  2. split trajectories train / held-out by request_id hash, add the previous rounds' ones kept in the
-     round memory (`train.replay_rounds`, `gate.heldout_rounds`); one target forward per trajectory
-  3. held-out tau before; `steps_per_update` DeepSpeed steps on the recorded anchors; held-out tau after
-     (loss.kind "head": the drafter is frozen and only the length head trains on the acceptance labels)
-  4. gate: promote when tau after >= tau before - tolerance (and enough held-out blocks)
-  5. durable: export drafter + head, DeepSpeed checkpoint (kept weights only), the round's trajectories
+     oldest shards up to that count (same rule after a restart, so a retried round sees the same data) [_take_round]
+  2. select: split trajectories train / held-out by request_id hash, add the previous rounds' ones kept in
+     the round memory (`train.replay_rounds`, `gate.heldout_rounds`) [_select]
+  3. train: one target forward per trajectory; held-out tau before; `steps_per_update` DeepSpeed steps on
+     the recorded anchors (adaflash.recipe.train_step); held-out tau after (loss.kind "head": the drafter is
+     frozen and only the length head trains on the acceptance labels) [_train]
+  4. gate: promote when tau after >= tau before - tolerance (and enough held-out blocks) [_gate]
+  5. persist: export drafter + head, DeepSpeed checkpoint (kept weights only), the round's trajectories
      into the round memory, state.json with the round's shards and what is left to publish, THEN
-     `reader.commit(shards, tag=round)`
-  6. publish: register the version, move the champion alias or tag it rejected, close the MLflow run
-  7. retention (`retention`): delete or compact the consumed shards of rounds it no longer keeps
+     `reader.commit(shards, tag=round)` [_persist]
+  6. publish: register the version, move the champion alias or tag it rejected, close the MLflow run [_publish]
+  7. retention (`retention`): delete or compact the consumed shards of rounds it no longer keeps [_retain]
 
 Exactly-once: weights that include a shard become durable (checkpoint + state.json) before the ledger
 records the shard, and a restart resumes from exactly those weights. A kill before step 5 leaves the
@@ -41,24 +42,49 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from adaflash.trainer.config import LossSection, OnlineConfig
-from adaflash.trainer.data import capture_output, eval_items, heldout_tau, is_heldout, make_batch, supervise, to_sequences, train_items
+from adaflash.trainer.config import OnlineConfig
+from adaflash.trainer.data import (
+    Sequence,
+    capture_output,
+    eval_items,
+    heldout_tau,
+    is_heldout,
+    make_batch,
+    supervise,
+    to_sequences,
+    train_items,
+)
 from adaflash.trainer.memory import RoundMemory
 from torch import Tensor, nn
 
 from adaflash.buffer import TRAJECTORY_SCHEMA, ShardReader, from_arrow
+from adaflash.buffer.files import write_text_atomic
 from adaflash.config import to_dict
 from adaflash.distributed import from_rank0, init_distributed
-from adaflash.drafter import Drafter, load_drafter
+from adaflash.drafter import Drafter, load_drafter, load_drafter_and_head
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, load_length_head, save_length_head
-from adaflash.losses import accepted_length, length_head_loss, opd_loss, osd_loss
-from adaflash.registry import load_version
+from adaflash.recipe import clip_per_group, deepspeed_config, train_step
+from adaflash.spec import accepted_length
 from adaflash.target import load_target
+
+
+@dataclass
+class RoundData:
+    """What one update round trains and judges on (`OnlineTrainer._select`)."""
+
+    round: int
+    shards: list[str]
+    tables: list  # the shards' Arrow tables (into the round memory once the round is durable)
+    train: list[Sequence]  # the round's training trajectories + the replayed ones of earlier rounds
+    held: list[Sequence]  # the held-out ones the gate judges on (this round's + kept ones)
+    info: dict  # rows, train / held-out counts (new ones apart), verification rounds
+    window: dict  # shards, time range and drafter versions of the data
 
 
 class OnlineModel(nn.Module):
@@ -81,37 +107,6 @@ class OnlineModel(nn.Module):
         its loss never reaches the drafter."""
         h, block = self.blocks(batch)
         return self.drafter.lm_head(h), self.head(block.float()).view(batch["anchors"].shape)
-
-
-def distill_loss(logits: Tensor, tgt_logits: Tensor, valid: Tensor, lc: LossSection) -> dict[str, Tensor]:
-    """The drafter's distillation loss of `lc.kind` (opd | osd) over the valid positions.
-    logits / tgt_logits [B, NB, K-1, V], valid [B, NB, K-1] -> {"loss": scalar with grad, metrics...}."""
-    d, t, v = logits.flatten(0, 1), tgt_logits.flatten(0, 1), valid.flatten(0, 1)  # [N, K-1, V] x2, [N, K-1]
-    if lc.kind == "opd":
-        return opd_loss(d, t, v, lc.alpha, lc.temperature, lc.clip, lc.clip_mode, lc.gamma)
-    if lc.kind == "osd":
-        return osd_loss(d, t, v, lc.temperature, lc.gamma)
-    raise ValueError(f"loss.kind {lc.kind!r} has no distillation loss (opd or osd)")
-
-
-def update_loss(logits: Tensor, pred: Tensor, tgt_logits: Tensor | None, batch: dict, cfg: OnlineConfig) -> tuple[Tensor, dict]:
-    """Distillation (OPD or OSD; none for loss.kind "head") over valid positions + length-head MSE over full
-    blocks. logits / tgt_logits [B, NB, K-1, V]; pred [B, NB]."""
-    lc, k_blk = cfg.loss, logits.shape[2] + 1
-    d, valid = logits.flatten(0, 1), batch["valid"].flatten(0, 1)  # [N, K-1, V], [N, K-1]
-    if lc.kind == "head":  # the drafter is frozen, no distillation (tgt_logits is None)
-        out = {"loss": pred.sum() * 0.0}
-    else:
-        out = distill_loss(logits, tgt_logits, batch["valid"], lc)
-    full = batch["full"].flatten()  # [N]
-    with torch.no_grad():
-        acc = accepted_length(d.argmax(-1), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
-    head = length_head_loss(pred.flatten()[full], acc[full], k_blk) if full.any() else pred.sum() * 0.0
-    metrics = {k: float(v) for k, v in out.items() if k != "loss"}
-    metrics.update(
-        head_loss=float(head.detach()), train_acc_len=float(acc[full].float().mean()) if full.any() else 0.0, positions=int(valid.sum())
-    )
-    return out["loss"] + lc.head_weight * head, metrics
 
 
 @torch.no_grad()
@@ -143,29 +138,10 @@ def refit_head(model: OnlineModel, seqs, k_blk: int, t, seed: int) -> dict | Non
 
 
 def ds_config(cfg: OnlineConfig) -> dict:
-    t = cfg.train
-    conf = {
-        "train_micro_batch_size_per_gpu": t.seqs_per_step,
-        "gradient_accumulation_steps": 1,
-        # ZeRO 0: clipped per parameter group in the trainer (`clip_per_group`); ZeRO > 0: DeepSpeed's global norm
-        "gradient_clipping": t.grad_clip if cfg.deepspeed.zero_stage else 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "weight_decay": t.weight_decay, "torch_adam": True}},
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
-        "steps_per_print": 10**9,
-    }
-    conf.update(cfg.deepspeed.extra)
-    return conf
-
-
-def clip_per_group(engine, max_norm: float) -> list[float]:
-    """Clip each optimizer parameter group (drafter, length head) to its own gradient norm: one global
-    norm ties them (the head's loss changes the drafter's clipped step, and the drafter's norm rescales
-    the head's gradients from step to step). Gradients must be whole on every rank (ZeRO 0).
-    -> each group's norm before clipping."""
-    return [
-        float(torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], max_norm))
-        for g in engine.optimizer.param_groups
-    ]
+    """The online trainer's DeepSpeed config. ZeRO 0: clipped per parameter group by the trainer
+    (`clip_per_group`); ZeRO > 0: DeepSpeed's global norm."""
+    zero = cfg.deepspeed.zero_stage
+    return deepspeed_config(cfg.train, zero, clip=bool(zero), extra=cfg.deepspeed.extra)
 
 
 def gate(before: dict, after: dict, tolerance: float, min_blocks: int) -> tuple[bool, str]:
@@ -191,15 +167,6 @@ def retired_shards(consumed: list[tuple[str, object, int]], r: int, keep_rounds:
         old.append(n)
         left -= size
     return old
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1, sort_keys=True))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _metric_key(name: str) -> str:
@@ -250,16 +217,9 @@ class OnlineTrainer:
         if fresh:  # round 0 = the starting weights, so every round has a checkpoint to resume or roll back to
             self.engine.save_checkpoint(str(self.ckpt), tag="round0")
             if self.rank == 0:
-                _write_json_atomic(
-                    self.state_path,
-                    {
-                        **json.loads((self.ckpt / "init" / "start.json").read_text()),
-                        "round": 0,
-                        "weights_tag": "round0",
-                        "pending": None,
-                        "inflight_run": None,
-                    },
-                )
+                start = json.loads((self.ckpt / "init" / "start.json").read_text())
+                self.state = {**start, "round": 0, "weights_tag": "round0", "pending": None, "inflight_run": None}
+                self._save_state()
         self._barrier()
         self.state = json.loads(self.state_path.read_text())
         if not fresh:
@@ -281,7 +241,7 @@ class OnlineTrainer:
             version = self.registry.champion()
             if version is not None:
                 src = Path(self.registry.download(version, self.ckpt / "download"))
-        drafter, head = load_version(src, self.target, torch.float32)
+        drafter, head = load_drafter_and_head(src, self.target, torch.float32)
         if head is None:
             torch.manual_seed(cfg.train.seed)
             head = LengthHead(LengthHeadConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.block_size))
@@ -304,7 +264,7 @@ class OnlineTrainer:
             self.client.set_tag(run, "note", "trainer killed mid-round; the round is retrained in a new run")
             self.client.set_terminated(run, "KILLED")
             self.state["inflight_run"] = None
-            _write_json_atomic(self.state_path, self.state)
+            self._save_state()
 
     def _retain(self) -> None:
         """Apply `retention` to the consumed shards of the rounds up to the last committed one (rank 0)."""
@@ -326,6 +286,10 @@ class OnlineTrainer:
                 f"DeepSpeed checkpoint {self.ckpt / tag} named in {self.state_path} is missing: "
                 f"restore it, or move {self.ckpt} away to start over from the registry's champion"
             )
+
+    def _save_state(self) -> None:
+        """state.json, written atomically (rank 0)."""
+        write_text_atomic(self.state_path, json.dumps(self.state, indent=1, sort_keys=True))
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -361,7 +325,7 @@ class OnlineTrainer:
             return
         version, path = moved
         try:
-            drafter, head = load_version(path, self.target, torch.float32)
+            drafter, head = load_drafter_and_head(path, self.target, torch.float32)
         except (ValueError, OSError) as e:
             self._refused.add(version)
             self.log(
@@ -377,7 +341,7 @@ class OnlineTrainer:
         if self.rank == 0:
             self.log(f"[train] champion moved to v{version} outside the trainer (was v{self.state['champion']}): training from it")
             self.state.update(champion=version, base_version=version, weights_tag=tag)
-            _write_json_atomic(self.state_path, self.state)
+            self._save_state()
             shutil.rmtree(path, ignore_errors=True)
             self._cleanup()
         self.state = from_rank0(self.state)
@@ -406,8 +370,27 @@ class OnlineTrainer:
     # ------------------------------------------------------------------ one update round
 
     def update_round(self, names: list[str]) -> dict:
-        cfg, r = self.cfg, self.state["round"] + 1
+        """One update round on the shards `names`, the steps of the module docstring in order. -> its summary."""
         t0 = time.perf_counter()
+        data = self._select(names)
+        run_id = self._begin_run(data.info, data.window) if self.rank == 0 else None
+        measured = self._train(data, run_id)
+        summary = self._gate(data, measured, time.perf_counter() - t0)
+        if self.rank == 0:
+            self._log_eval(run_id, data, measured)
+        self._persist(data, run_id, summary)
+        if self.rank == 0:
+            self._publish()
+            self._cleanup()
+            self.memory.prune(data.round, self.memory_rounds)
+            self._retain()
+        self._barrier()
+        return summary
+
+    def _select(self, names: list[str]) -> RoundData:
+        """Step 2: the shards' trajectories split train / held-out by request id, plus the earlier rounds'
+        ones the round memory keeps for replay (`train.replay_rounds`) and for the gate (`gate.heldout_rounds`)."""
+        cfg, r = self.cfg, self.state["round"] + 1
         tables = self._read(names)
         trajs = [t for tab in tables for t in from_arrow(tab)]
         frac = cfg.buffer.heldout_frac
@@ -436,36 +419,51 @@ class OnlineTrainer:
             "heldout_new": new_held,
             "verify_rounds": sum(len(t.rounds) for t in trajs),
         }
-        run_id = self._begin_run(info, window) if self.rank == 0 else None
-        supervise(self.target.model, train + held, cfg.train.eval_seqs)
-        before = self._eval(held)
-        steps = [self._step(train, r, i, run_id) for i in range(cfg.round_size(r)[1])] if train else []
-        refit = refit_head(self.engine.module, train, self.k_blk, cfg.train, seed=cfg.train.seed + r)
-        after = self._eval(held)
-        promote, reason = gate(before, after, cfg.gate.tolerance, cfg.gate.min_heldout_blocks)
-        if not train:
+        return RoundData(r, names, tables, train, held, info, window)
+
+    def _train(self, data: RoundData, run_id: str | None) -> dict:
+        """Step 3: the teacher once, held-out tau before, the optimizer steps, the head refit, held-out tau
+        after. -> {before, after, steps, refit}."""
+        t, r = self.cfg.train, data.round
+        supervise(self.target.model, data.train + data.held, t.eval_seqs)
+        before = self._eval(data.held)
+        steps = [self._step(data.train, r, i, run_id) for i in range(self.cfg.round_size(r)[1])] if data.train else []
+        refit = refit_head(self.engine.module, data.train, self.k_blk, t, seed=t.seed + r)
+        after = self._eval(data.held)
+        return {"before": before, "after": after, "steps": steps, "refit": refit}
+
+    def _gate(self, data: RoundData, measured: dict, seconds: float) -> dict:
+        """Step 4: promote or not, and whether the next round keeps these weights. -> the round's summary."""
+        g = self.cfg.gate
+        before, after, steps = measured["before"], measured["after"], measured["steps"]
+        promote, reason = gate(before, after, g.tolerance, g.min_heldout_blocks)
+        if not data.train:
             promote, reason = False, "no trainable trajectories in the round"
-        keep = promote or cfg.gate.on_reject == "continue"
-        summary = {
-            **info,
-            "seconds": round(time.perf_counter() - t0, 1),
+        return {
+            **data.info,
+            "seconds": round(seconds, 1),
             "tau_before": before["tau"],
             "tau_after": after["tau"],
             "loss_first": steps[0]["loss"] if steps else None,
             "loss_last": steps[-1]["loss"] if steps else None,
             "head_mae_before": before["head_mae"],
             "head_mae_after": after["head_mae"],
-            "head_refit": refit,
+            "head_refit": measured["refit"],
             "promote": promote,
             "reason": reason,
-            "kept": keep,
+            "kept": promote or g.on_reject == "continue",
         }
+
+    def _persist(self, data: RoundData, run_id: str | None, summary: dict) -> None:
+        """Step 5, the exactly-once point: the export, the weights the next round starts from (this round's
+        checkpoint, or the pre-round one back), the round memory and state.json with what is left to publish,
+        then the ledger commit of the round's shards."""
+        r, names = data.round, data.shards
         export = self.ckpt / "exports" / f"round{r}"
         if self.rank == 0:
-            self._log_eval(run_id, before, after, steps, train, refit)
             self._export(export, r, summary)
         tag = f"round{r}"
-        if keep:
+        if summary["kept"]:
             self.engine.save_checkpoint(str(self.ckpt), tag=tag)
         else:  # roll back to the pre-round weights (and optimizer state)
             tag = self.state["weights_tag"]
@@ -484,42 +482,28 @@ class OnlineTrainer:
                 "tags": {
                     "round": str(r),
                     "parent_version": str(self.state["base_version"]),
-                    "loss": cfg.loss.kind,
+                    "loss": self.cfg.loss.kind,
                     "data_window": f"{names[0]}..{names[-1]} ({len(names)} shards)",
-                    "tau_before": f"{before['tau']:.4f}",
-                    "tau_after": f"{after['tau']:.4f}",
+                    "tau_before": f"{summary['tau_before']:.4f}",
+                    "tau_after": f"{summary['tau_after']:.4f}",
                 },
             },
         )
         if self.rank == 0:
-            self.memory.save(r, tables)  # before state.json: a restart never reads a later round's file
-            _write_json_atomic(self.state_path, self.state)  # durable: these weights include these shards
+            self.memory.save(r, data.tables)  # before state.json: a restart never reads a later round's file
+            self._save_state()  # durable: these weights include these shards
             self.reader.commit(names, tag=r)
-            self._publish()
-            self._cleanup()
-            self.memory.prune(r, self.memory_rounds)
-            self._retain()
-        self._barrier()
-        return summary
 
     def _step(self, seqs, r: int, i: int, run_id: str | None) -> dict:
         """One DeepSpeed optimizer step on this rank's slice of the step's sequences."""
         t = self.cfg.train
         batch = make_batch(train_items(seqs, i, self.rank, self.world, t.seqs_per_step, t.anchors_per_seq, t.seed, r), self.k_blk)
-        self.engine.train()
-        tgt_logits = None  # the teacher's distributions: only distillation needs them
-        if self.cfg.loss.kind != "head":
-            with torch.no_grad():
-                tgt_logits = self.target.model.lm_head(batch["tgt_hidden"]).float()  # [B, NB, K-1, V]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
-            logits, pred = self.engine(batch)
-        loss, metrics = update_loss(logits, pred, tgt_logits, batch, self.cfg)
-        self.engine.backward(loss)
+        clip = None
         if not self.cfg.deepspeed.zero_stage and t.grad_clip > 0:
-            norms = clip_per_group(self.engine, t.grad_clip)
-            metrics.update({f"grad_norm_{name}": n for name, n in zip(self.groups, norms)})
-        self.engine.step()
-        metrics["loss"] = float(loss.detach())
+            clip = lambda e: {f"grad_norm_{name}": n for name, n in zip(self.groups, clip_per_group(e, t.grad_clip))}  # noqa: E731
+        metrics = train_step(
+            self.engine, batch, self.cfg.loss, forward=self.engine, teacher=self.target.model, autocast=t.autocast_bf16, clip=clip
+        )
         if self.rank == 0:
             from mlflow.entities import Metric
 
@@ -554,7 +538,7 @@ class OnlineTrainer:
         )
         rid = run.info.run_id
         self.state["inflight_run"] = rid
-        _write_json_atomic(self.state_path, self.state)
+        self._save_state()
         from mlflow.entities import Param
 
         params = {
@@ -575,9 +559,11 @@ class OnlineTrainer:
         self.client.log_dict(rid, window, "data_window.json")
         return rid
 
-    def _log_eval(self, run_id: str, before: dict, after: dict, steps: list[dict], train, refit: dict | None) -> None:
+    def _log_eval(self, run_id: str, data: RoundData, measured: dict) -> None:
+        """The round's held-out measurements as metrics of its MLflow run."""
         from mlflow.entities import Metric
 
+        before, after, steps, train, refit = measured["before"], measured["after"], measured["steps"], data.train, measured["refit"]
         now, vals = int(time.time() * 1000), {}
         for when, ev in (("before", before), ("after", after)):
             vals[f"heldout_tau_{when}"] = ev["tau"]
@@ -619,7 +605,7 @@ class OnlineTrainer:
             self.state["base_version"] = version
         self.client.set_terminated(p["run_id"], "FINISHED")
         self.state["pending"] = None
-        _write_json_atomic(self.state_path, self.state)
+        self._save_state()
         self._append_history({"round": p["round"], "shards": p["shards"], "version": version, **s})
         shutil.rmtree(p["export"], ignore_errors=True)  # the registry holds it now
         verdict = f"promoted v{version}" if s["promote"] else f"rejected v{version} ({s['reason']})"

@@ -25,6 +25,9 @@ rounds             list<struct<...>>           one entry per verification round:
 =================  ==========================  ================================================
 
 Everything except ``domain`` is non-nullable (lists may be empty).
+
+``Round`` is also what the engine records while serving: its two in-memory fields, ``hidden`` and
+``source``, are not columns; the buffer holds drafter rounds only (``Engine.trajectory``).
 """
 
 from __future__ import annotations
@@ -108,15 +111,18 @@ def _text(value: Any, what: str) -> str:
 
 @dataclass
 class Round:
-    """One speculative verification round of a request."""
+    """One speculative verification round of a request: what the engine records and the buffer stores."""
 
-    anchor: int
-    draft: list[int]
-    target: list[int]
+    anchor: int  # position of the block's first token in prompt + output
+    draft: list[int]  # drafts verified this round (a tree round: its walk's path, the accepted nodes + the best child after them)
+    target: list[int]  # the target's greedy token at each of those positions
     accepted: int
-    verify_len: int
-    pred: float = math.nan
-    t_ns: int = field(default_factory=time.time_ns)
+    verify_len: int  # tokens verified incl. the anchor
+    pred: float = math.nan  # length-head prediction (nan without a head)
+    t_ns: int = field(default_factory=time.time_ns)  # wall-clock time of the verification
+    # not stored:
+    hidden: Any = field(default=None, repr=False, compare=False)  # [K, H] drafter block states, kept when collecting head data
+    source: str = "drafter"  # or "lookup": the drafts came from prompt lookup, not the drafter
 
     def to_dict(self) -> dict[str, Any]:
         pred = math.nan if self.pred is None else float(self.pred)
