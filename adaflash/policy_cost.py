@@ -18,8 +18,9 @@ labels are free, accepted positions 1, the first rejected 0, later ones unobserv
   skips the drafter pass and verifies its anchor alone; it is drafted again as a probe after 4, 8, ..
   64 skipped steps, so a request whose text turns predictable is picked up again;
 - after drafting (`lengths`, `choose_lengths`): adds the drafter's own confidence per position (top-1
-  probability over the draft vocabulary) and the length head's block prediction when the drafter has a
-  head, and picks the verify lengths; the drafting cost is spent by then.
+  probability over the draft vocabulary) and picks the verify lengths; the drafting cost is spent by
+  then. (The length head's block prediction added nothing on held-out rounds where the confidence is
+  known: `adaflash policy-eval`, docs/benchmarks.md.)
 Greedy output is the target's whatever the lengths: the policy only decides how much is verified.
 """
 
@@ -34,7 +35,7 @@ from adaflash.engine import RequestState, VerifyPolicy
 
 EPS = 1e-4
 PRIOR_NAMES = ("bias", "log_pos", "running")  # features before drafting
-BLOCK_NAMES = ("bias", "confidence", "log_pos", "running", "head")  # after drafting
+BLOCK_NAMES = ("bias", "confidence", "log_pos", "running")  # after drafting
 
 
 def logit(p: torch.Tensor) -> torch.Tensor:
@@ -55,12 +56,10 @@ def prior_features(running: torch.Tensor, n_pos: int) -> torch.Tensor:
     return torch.stack([torch.ones_like(pos), pos, run], -1)
 
 
-def block_features(conf: torch.Tensor, running: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
-    """Drafter confidence [R, J], running acceptance [R], head prediction [R] or None -> [R, J, 5] (BLOCK_NAMES)."""
-    r, n_pos = conf.shape
-    prior = prior_features(running, n_pos)  # [R, J, 3]
-    h = torch.zeros(r, n_pos, dtype=torch.float64) if head is None else logit(head)[:, None].expand(r, n_pos)  # [R, J]
-    return torch.stack([prior[..., 0], logit(conf), prior[..., 1], prior[..., 2], h], -1)
+def block_features(conf: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+    """Drafter confidence [R, J], running acceptance [R] -> features [R, J, 4] (BLOCK_NAMES)."""
+    prior = prior_features(running, conf.shape[1])  # [R, J, 3]
+    return torch.stack([prior[..., 0], logit(conf), prior[..., 1], prior[..., 2]], -1)
 
 
 def round_labels(accepted: torch.Tensor, drafts: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +210,7 @@ def plan_drafts(
 class _Pending:
     """A drafted request's features this step, labelled once it is verified."""
 
-    x: torch.Tensor  # [J, 5] block features
+    x: torch.Tensor  # [J, 4] block features
     xp: torch.Tensor  # [J, 3] prior features
 
 
@@ -220,9 +219,9 @@ class CostPolicy(VerifyPolicy):
 
     name = "cost"
 
-    def __init__(self, cost: StepCost, block_size: int, head=None, slack: int = 1, forget: float = 0.995, prior: float = 1.0):
-        self.cost, self.k_blk, self.head, self.slack = cost, block_size, head, slack
-        self.block = AcceptanceModel([0.0, 1.0, 0.0, 0.0, 0.0], prior, forget)  # starts as P = the drafter's confidence
+    def __init__(self, cost: StepCost, block_size: int, slack: int = 1, forget: float = 0.995, prior: float = 1.0):
+        self.cost, self.k_blk, self.slack = cost, block_size, slack
+        self.block = AcceptanceModel([0.0, 1.0, 0.0, 0.0], prior, forget)  # starts as P = the drafter's confidence
         self.prior = AcceptanceModel([0.0, 0.0, 1.0], prior, forget)  # starts as P = the running acceptance
         self.running = Running()
         self.pending: dict[str, _Pending] = {}
@@ -279,17 +278,12 @@ class CostPolicy(VerifyPolicy):
     def lengths(self, states, hidden, k_blk):
         """hidden [R, L, H] drafted block states -> verify lengths in 1..L (forced probes at least 2)."""
         ids = [s.req.request_id for s in states]
-        drafter, head = states[0].slot.drafter, states[0].slot.head or self.head
         n_pos = hidden.shape[1] - 1
         if n_pos < 1:
             return [1] * len(states), [float("nan")] * len(states)
-        conf = confidence(drafter.logits(hidden[:, 1:]))  # [R, J]
-        pred = None
-        if head is not None:
-            with torch.no_grad():
-                pred = head(hidden.float()).double()  # [R]
+        conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]))  # [R, J]
         run = self.running.rate(ids)  # [R]
-        x = block_features(conf, run, pred)  # [R, J, 5]
+        x = block_features(conf, run)  # [R, J, 4]
         cum = self.block.predict(x).cumprod(-1)  # [R, J]
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
         fixed_s = self.cost.verify(n_req, n_tok) + self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now

@@ -87,20 +87,20 @@ def test_round_labels_censor_after_the_first_rejection():
 
 def test_features_shapes_and_prior_starts_at_confidence():
     conf = torch.tensor([[0.9, 0.5, 0.2]])
-    x = block_features(conf, torch.tensor([0.4]), None)  # [1, 3, 5]
-    assert x.shape == (1, 3, 5) and prior_features(torch.tensor([0.4, 0.5]), 3).shape == (2, 3, 3)
-    model = AcceptanceModel([0.0, 1.0, 0.0, 0.0, 0.0])
+    x = block_features(conf, torch.tensor([0.4]))  # [1, 3, 4]
+    assert x.shape == (1, 3, 4) and prior_features(torch.tensor([0.4, 0.5]), 3).shape == (2, 3, 3)
+    model = AcceptanceModel([0.0, 1.0, 0.0, 0.0])
     torch.testing.assert_close(model.predict(x), conf.double(), atol=1e-4, rtol=0)
 
 
 def test_acceptance_model_learns_a_new_domain_within_a_few_batches():
     """The drafter's confidence is overconfident by a domain-specific shift: the model recovers it."""
     g = torch.Generator().manual_seed(0)
-    model = AcceptanceModel([0.0, 1.0, 0.0, 0.0, 0.0])
+    model = AcceptanceModel([0.0, 1.0, 0.0, 0.0])
     for shift, batches in ((-1.0, 40), (-3.0, 8)):  # a first domain, then a harder one
         for _ in range(batches):
             conf = torch.rand(32, 4, generator=g) * 0.98 + 0.01
-            x = block_features(conf, torch.full((32,), 0.5)).reshape(-1, 5)
+            x = block_features(conf, torch.full((32,), 0.5)).reshape(-1, 4)
             p = torch.sigmoid(logit(conf.reshape(-1)) + shift)
             model.update(x, (torch.rand(len(p), generator=g) < p).double())
         conf = torch.full((1, 1), 0.8)
@@ -196,3 +196,35 @@ def test_skipped_requests_are_probed_with_backoff():
     st = [RequestState(Request("a", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator())]
     drafted = [i for i in range(40) if policy.select(st)[0]]
     assert drafted == [4, 13, 30]  # after 4 skipped steps, then 8, then 16
+
+
+# ----------------------------------------------------------------------------- offline evaluation
+def test_eval_metrics_against_plain_definitions():
+    from adaflash.pipelines.policy_eval import auc, r2, reliability
+
+    score, label = torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0.0, 0.0, 1.0, 1.0])
+    assert auc(score, label) == pytest.approx(0.75)  # 3 of the 4 (positive, negative) pairs ordered
+    assert r2(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 3.0])) == 1.0
+    assert r2(torch.full((3,), 2.0), torch.tensor([1.0, 2.0, 3.0])) == 0.0  # the mean explains nothing
+    rel = reliability(torch.tensor([[0.05, 0.95], [0.05, 0.95]]), torch.tensor([0, 2]))  # position 2 seen once
+    assert [(b["n"], b["observed"]) for b in rel] == [(2, 0.5), (1, 1.0)]
+
+
+def test_evaluate_scores_held_out_requests_only():
+    """Synthetic blocks whose acceptance follows the drafter's confidence: the confidence model separates
+    them on the held-out half, the prior model (no confidence) cannot."""
+    from adaflash.pipelines.policy_eval import Block, evaluate
+
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    for req in range(40):
+        for t in range(12):
+            conf = torch.rand(5, generator=g) * 0.98 + 0.01
+            ok = torch.rand(5, generator=g) < conf
+            acc = int(ok.long().cumprod(0).sum())
+            blocks.append(Block(req, "d" if req < 20 else "e", 1000 * t + req, conf, float("nan"), acc))
+    rep = evaluate(blocks, 6)
+    assert rep["fit_blocks"] == 240 and rep["models"]["confidence"]["all"]["blocks"] == 240
+    assert rep["models"]["confidence"]["all"]["auc_pos1"] > 0.8 > rep["models"]["prior"]["all"]["auc_pos1"]
+    assert rep["models"]["confidence"]["all"]["r2_accepted"] > 0.3 and "length_head" not in rep
+    assert set(rep["models"]["confidence"]["domains"]) == {"d", "e"}
