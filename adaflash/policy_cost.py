@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaflash.cost import StepCost
+from adaflash.cost import StepCost, load_or_calibrate
 from adaflash.engine import RequestState, VerifyPolicy
 
 EPS = 1e-4
@@ -87,7 +87,7 @@ class AcceptanceModel:
         return torch.sigmoid(x.double() @ self.theta)
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Observed features [n, d] with labels [n] in {0, 1}."""
+        """Observed features [n, d] with labels [n] in [0, 1] (a probability where the label is not seen)."""
         if x.shape[0] == 0:
             return
         x = x.double()
@@ -212,12 +212,13 @@ class _Pending:
 
     x: torch.Tensor  # [J, 4] block features
     xp: torch.Tensor  # [J, 3] prior features
+    p: torch.Tensor  # [J] the block model's predictions
 
 
 class CostPolicy(VerifyPolicy):
     """Verify lengths (and whether to draft) by expected committed tokens per second, see the module doc."""
 
-    name = "cost"
+    name, timed = "cost", True
 
     def __init__(self, cost: StepCost, block_size: int, slack: int = 1, forget: float = 0.995, prior: float = 1.0):
         self.cost, self.k_blk, self.slack = cost, block_size, slack
@@ -230,6 +231,11 @@ class CostPolicy(VerifyPolicy):
         self.forced: set[str] = set()
         self._batch: tuple[int, int] | None = None  # this step's (requests, tokens) with every drafting request at its anchor
         self._block = block_size
+
+    @classmethod
+    def for_models(cls, target, drafter) -> "CostPolicy":
+        """With the cached (or a fresh) calibration of these models' step costs on this machine."""
+        return cls(load_or_calibrate(target, drafter), drafter.block_size)
 
     # -- before drafting
     def select(self, states: list[RequestState], others: tuple[int, int] = (0, 0)) -> list[bool]:
@@ -284,7 +290,8 @@ class CostPolicy(VerifyPolicy):
         conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]))  # [R, J]
         run = self.running.rate(ids)  # [R]
         x = block_features(conf, run)  # [R, J, 4]
-        cum = self.block.predict(x).cumprod(-1)  # [R, J]
+        cond = self.block.predict(x)  # [R, J]
+        cum = cond.cumprod(-1)
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
         fixed_s = self.cost.verify(n_req, n_tok) + self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
         lens, _ = choose_lengths(cum, fixed_s, self.cost.per_token, n_req)
@@ -292,35 +299,37 @@ class CostPolicy(VerifyPolicy):
         lens = torch.where(forced, lens.clamp(min=2), lens)
         xp = prior_features(run, n_pos)  # [R, J, 3]
         for j, i in enumerate(ids):
-            self.pending[i] = _Pending(x[j], xp[j])
+            self.pending[i] = _Pending(x[j], xp[j], cond[j])
         return lens.tolist(), [float("nan")] * len(states)
 
     def observe(self, states, accepted):
-        """Label each verified round's positions and refit both acceptance models."""
-        xs, xps, ys, ids, acc_n, seen_n = [], [], [], [], [], []
+        """Label each verified round's positions and refit both acceptance models. Drafted positions the
+        policy chose not to verify (no rejection seen before them) teach the prior model what the block
+        model predicted there, so a request whose drafts are never worth verifying stops being drafted."""
+        fit, prior, ids, acc_n, seen_n = [], [], [], [], []
         for s, a in zip(states, accepted):
             rid = s.req.request_id
             p = self.pending.pop(rid, None)
-            drafts = len(s.rounds[-1].draft) if s.rounds else 0
-            if p is None or drafts == 0:
+            if p is None:
                 continue
-            y, seen = round_labels(torch.tensor([a]), torch.tensor([drafts]), p.x.shape[0])  # [1, J]
-            xs.append(p.x[seen[0]])
-            xps.append(p.xp[seen[0]])
-            ys.append(y[0][seen[0]])
-            ids.append(rid)
-            acc_n.append(float(y[0][seen[0]].sum()))
-            seen_n.append(float(seen[0].sum()))
-        if not ids:
-            return
-        y = torch.cat(ys)
-        self.block.update(torch.cat(xs), y)
-        self.prior.update(torch.cat(xps), y)
-        self.running.update(ids, torch.tensor(acc_n), torch.tensor(seen_n))
+            drafts = len(s.rounds[-1].draft) if s.rounds else 0
+            y, seen = round_labels(torch.tensor([a]), torch.tensor([drafts]), len(p.p))  # [1, J]
+            y, seen = y[0], seen[0]
+            unverified = torch.arange(len(p.p)) >= drafts if a == drafts else torch.zeros(len(p.p), dtype=torch.bool)  # [J]
+            fit.append((p.x[seen], y[seen]))
+            prior.append((p.xp[seen | unverified], torch.where(seen, y, p.p)[seen | unverified]))
+            if drafts:
+                ids.append(rid)
+                acc_n.append(float(y[seen].sum()))
+                seen_n.append(float(seen.sum()))
+        if fit:
+            self.block.update(torch.cat([x for x, _ in fit]), torch.cat([y for _, y in fit]))
+            self.prior.update(torch.cat([x for x, _ in prior]), torch.cat([y for _, y in prior]))
+        if ids:
+            self.running.update(ids, torch.tensor(acc_n), torch.tensor(seen_n))
 
-    def observe_timing(self, verify: tuple[int, int, float] | None = None, draft: tuple[int, int, float] | None = None) -> None:
-        """Live step timings: verify = (requests, tokens, seconds), draft = (requests drafted, block, seconds)."""
-        if verify is not None:
-            self.cost.observe_verify(*verify)
+    def observe_timing(self, verify, draft):
+        """Refit the step-cost model on the step just run."""
+        self.cost.observe_verify(*verify)
         if draft is not None:
             self.cost.observe_draft(*draft)
