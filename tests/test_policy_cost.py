@@ -61,23 +61,24 @@ def test_step_cost_json_round_trip():
 def test_calibration_is_cached_per_machine(tmp_path, monkeypatch):
     target = tiny_target()
     drafter = tiny_drafter(target)
-    calls = []
-    real = calibrate
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr("adaflash.cost.calibrate", counting)
+    real = calibrate(target, drafter, reps=1)  # the real sweep on tiny models: every point timed
+    assert len(real.points["target"]) == 7 and all(t > 0 for *_, t in real.points["target"] + real.points["drafter"])
+    calls, result = [], [linear_cost()]
+    monkeypatch.setattr("adaflash.cost.calibrate", lambda *a, **k: calls.append(1) or result[0])
     first = load_or_calibrate(target, drafter, tmp_path)
     again = load_or_calibrate(target, drafter, tmp_path)
     assert len(calls) == 1 and again.verify(4, 9) == pytest.approx(first.verify(4, 9))
     (path,) = tmp_path.glob("*.json")
     assert json.loads(path.read_text())["key"]["threads"] == torch.get_num_threads()
-    assert all(t > 0 for *_, t in first.points["target"] + first.points["drafter"])
     path.write_text("{broken")  # an unreadable cache is measured again
     load_or_calibrate(target, drafter, tmp_path)
     assert len(calls) == 2
+    path.unlink()  # a sweep other processes disturbed (points off the linear fit) is used, not kept
+    tp = [(1, 1, 0.5), (1, 4, 0.1), (1, 16, 0.3), (4, 4, 0.2), (4, 16, 0.2), (8, 8, 0.9), (8, 32, 0.3)]
+    result[0] = StepCost(tp, linear_cost().points["drafter"])
+    assert not result[0].plausible() and linear_cost().plausible()
+    load_or_calibrate(target, drafter, tmp_path)
+    assert len(calls) == 3 and not list(tmp_path.glob("*.json"))
 
 
 # ----------------------------------------------------------------------------- acceptance model
