@@ -303,9 +303,10 @@ class CostPolicy(VerifyPolicy):
         return lens.tolist(), [float("nan")] * len(states)
 
     def observe(self, states, accepted):
-        """Label each verified round's positions and refit both acceptance models. Drafted positions the
-        policy chose not to verify (no rejection seen before them) teach the prior model what the block
-        model predicted there, so a request whose drafts are never worth verifying stops being drafted."""
+        """Label each verified round's positions and refit both acceptance models. Where a drafted
+        position's label is not seen (not verified, or after the first rejection) the prior model learns
+        what the block model predicted there: so a request whose drafts are never worth verifying stops
+        being drafted, and no outcome decides which positions the prior model learns from."""
         fit, prior, ids, acc_n, seen_n = [], [], [], [], []
         for s, a in zip(states, accepted):
             rid = s.req.request_id
@@ -315,9 +316,8 @@ class CostPolicy(VerifyPolicy):
             drafts = len(s.rounds[-1].draft) if s.rounds else 0
             y, seen = round_labels(torch.tensor([a]), torch.tensor([drafts]), len(p.p))  # [1, J]
             y, seen = y[0], seen[0]
-            unverified = torch.arange(len(p.p)) >= drafts if a == drafts else torch.zeros(len(p.p), dtype=torch.bool)  # [J]
             fit.append((p.x[seen], y[seen]))
-            prior.append((p.xp[seen | unverified], torch.where(seen, y, p.p)[seen | unverified]))
+            prior.append((p.xp, torch.where(seen, y, p.p)))  # [J, 3], [J]
             if drafts:
                 ids.append(rid)
                 acc_n.append(float(y[seen].sum()))
