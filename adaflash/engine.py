@@ -126,6 +126,8 @@ class VerifyPolicy(ABC):
     name = "base"
     drafts = True
 
+    reads_logits = False  # True: `lengths` also gets the drafted positions' draft logits (`logits` [R, L-1, Vd])
+
     @abstractmethod
     def lengths(self, states: list[RequestState], hidden: torch.Tensor | None, k_blk: int) -> tuple[list[int], list[float]]:
         """-> (verify length per request, length-head prediction per request or nan)."""
@@ -499,12 +501,16 @@ class Engine:
                 length = self.k_blk if kind == "tree" else self.policy.draft_len(self.k_blk, slot.head)
                 last = torch.tensor([p.st.out[-1] for p in group], device=dev)
                 hidden = slot.drafter.draft_many([p.st.dcache for p in group], last, length)  # [r, L, H]
+                logits = [None] * len(group)
                 if kind == "tree":
                     lens, preds = [1 + self.tree + len(p.chain) for p in group], [float("nan")] * len(group)
+                elif self.policy.reads_logits:  # one LM-head call serves the policy and the drafts
+                    logits = slot.drafter.logits(hidden[:, 1:])  # [r, L-1, Vd]
+                    lens, preds = self.policy.lengths([p.st for p in group], hidden, self.k_blk, logits=logits)
                 else:
                     lens, preds = self.policy.lengths([p.st for p in group], hidden, self.k_blk)
-                for p, h, n, pred in zip(group, hidden, lens, preds):
-                    p.hidden, p.verify_len, p.pred = h, n, pred
+                for p, h, lg, n, pred in zip(group, hidden, logits, lens, preds):
+                    p.hidden, p.logits, p.verify_len, p.pred = h, lg, n, pred
                 if kind == "draft":
                     r, secs = (timing[0], timing[2]) if timing else (0, 0.0)
                     timing = (r + len(group), length, secs + self._clock() - t0)
@@ -585,8 +591,12 @@ class Engine:
     def _draft_logits(plans: list[_Plan]) -> None:
         """Draft logits only for the block positions each request needs: p.hidden [L, H] -> p.logits
         [rows, Vd] over its drafter's draft vocabulary (position 0, the anchor, has none). One LM-head
-        call per drafter over the packed rows."""
-        for slot, idx in Engine._groups(plans, [i for i, p in enumerate(plans) if p.rows > 0]):
+        call per drafter over the packed rows; logits the policy already read are cut to their rows."""
+        for p in plans:
+            if p.logits is not None:
+                p.logits = p.logits[: p.rows]
+        need = [i for i, p in enumerate(plans) if p.rows > 0 and p.logits is None]
+        for slot, idx in Engine._groups(plans, need):
             rows = torch.cat([plans[i].hidden[1 : 1 + plans[i].rows] for i in idx])  # [sum(rows), H]
             for i, lg in zip(idx, slot.drafter.logits(rows).split([plans[i].rows for i in idx])):
                 plans[i].logits = lg

@@ -218,7 +218,7 @@ class _Pending:
 class CostPolicy(VerifyPolicy):
     """Verify lengths (and whether to draft) by expected committed tokens per second, see the module doc."""
 
-    name, timed = "cost", True
+    name, timed, reads_logits = "cost", True, True
 
     def __init__(self, cost: StepCost, block_size: int, slack: int = 1, forget: float = 0.995, prior: float = 1.0):
         self.cost, self.k_blk, self.slack = cost, block_size, slack
@@ -281,13 +281,14 @@ class CostPolicy(VerifyPolicy):
         return min(self._block, k_blk)
 
     # -- after drafting
-    def lengths(self, states, hidden, k_blk):
-        """hidden [R, L, H] drafted block states -> verify lengths in 1..L (forced probes at least 2)."""
+    def lengths(self, states, hidden, k_blk, logits=None):
+        """hidden [R, L, H] drafted block states, logits [R, L-1, Vd] their draft logits (computed here
+        when not given) -> verify lengths in 1..L (forced probes at least 2)."""
         ids = [s.req.request_id for s in states]
         n_pos = hidden.shape[1] - 1
         if n_pos < 1:
             return [1] * len(states), [float("nan")] * len(states)
-        conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]))  # [R, J]
+        conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]) if logits is None else logits)  # [R, J]
         run = self.running.rate(ids)  # [R]
         x = block_features(conf, run)  # [R, J, 4]
         cond = self.block.predict(x)  # [R, J]
