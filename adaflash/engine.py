@@ -3,9 +3,10 @@
 Each `step()` admits waiting requests (prefill packed into one forward), drafts one block per
 running request (one drafter pass for all; a fixed or EMA policy drafts only the positions it will
 verify, the length head the block length it was fitted on, since it reads the block), lets the
-verify-length policy choose how many tokens each request verifies, verifies all of them in ONE
-packed target forward (ragged: no padding to the longest), commits accepted + 1 per request and
-retires finished requests. Requests join and leave between steps. Greedy output equals
+verify-length policy choose how many tokens each request verifies (before drafting, a policy may
+also leave a request undrafted for the step: `VerifyPolicy.select`, the cost policy's plain-decoding
+fallback), verifies all of them in ONE packed target forward (ragged: no padding to the longest),
+commits accepted + 1 per request and retires finished requests. Requests join and leave between steps. Greedy output equals
 single-request output; sampling is lossless.
 
 Token trees (`tree` N > 0, greedy requests only): a request verifies the N most likely paths through

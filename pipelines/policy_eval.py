@@ -65,8 +65,9 @@ def features(name: str, conf: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
 
 
 def replay(blocks: list[Block], heldout: set[int]) -> dict[str, dict]:
-    """Fit every model online on the fitting requests' blocks, in serving order; -> per model the held-out
-    blocks' per-position predictions [N, J] (frozen model) with their accepted lengths and domains."""
+    """Fit both models online on the fitting requests' blocks, in serving order and as CostPolicy.observe
+    does; -> per model the held-out blocks' per-position predictions [N, J] (frozen model) with their
+    accepted lengths and domains."""
     fitted = {name: AcceptanceModel(theta0) for name, theta0 in MODELS.items()}
     running = Running()
     for b in blocks:
@@ -75,8 +76,10 @@ def replay(blocks: list[Block], heldout: set[int]) -> dict[str, dict]:
         conf, key = b.conf[None], str(b.request)
         run = running.rate([key])
         y, seen = round_labels(torch.tensor([b.accepted]), torch.tensor([len(b.conf)]), len(b.conf))  # [1, J]
-        for name in MODELS:
-            fitted[name].update(features(name, conf, run)[seen], y[seen])
+        x = features("confidence", conf, run)  # [1, J, 4]
+        guess = fitted["confidence"].predict(x)  # [1, J]: what the prior model learns where no label is seen
+        fitted["confidence"].update(x[seen], y[seen])
+        fitted["prior"].update(features("prior", conf, run)[0], torch.where(seen, y, guess)[0])
         running.update([key], y[seen].sum()[None], seen.sum()[None].double())
     out = {name: {"p": [], "accepted": [], "domain": []} for name in MODELS}
     for b in blocks:  # held-out: the running acceptance still follows each request's own rounds
