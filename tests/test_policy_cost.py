@@ -240,3 +240,28 @@ def test_evaluate_scores_held_out_requests_only():
     assert rep["models"]["confidence"]["all"]["auc_pos1"] > 0.8 > rep["models"]["prior"]["all"]["auc_pos1"]
     assert rep["models"]["confidence"]["all"]["r2_accepted"] > 0.3 and "length_head" not in rep
     assert set(rep["models"]["confidence"]["domains"]) == {"d", "e"}
+
+
+def test_engine_leaves_unselected_requests_undrafted():
+    """VerifyPolicy.select: a request the policy leaves out verifies its anchor alone that step, the policy
+    sees the rest of the step (prompt-lookup rounds) as `others`, and greedy output stays plain decoding's."""
+    from adaflash.engine import FixedPolicy
+
+    calls = []
+
+    class EveryOther(FixedPolicy):
+        def select(self, states, others=(0, 0)):
+            calls.append((len(states), others))
+            return [i % 2 == 0 for i in range(len(states))]
+
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    reqs = requests(5)
+    plain = Engine(target, None, ARPolicy(), eos_ids=[5], max_batch=3).run(reqs)
+    engine = Engine(target, drafter, EveryOther(4), eos_ids=[5], max_batch=3, lookup=3, lookup_min=1)
+    states = engine.run(reqs)
+    assert [s.out for s in states] == [p.out for p in plain]
+    assert all(n + others[0] <= 3 and others[1] >= others[0] for n, others in calls)
+    assert any(others[0] > 0 and others[1] > others[0] for _, others in calls)  # lookup chains counted with their tokens
+    drafter_rounds = [r for s in states for r in s.rounds if r.source == "drafter"]
+    assert sum(r.verify_len == 1 for r in drafter_rounds) >= sum(n // 2 for n, _ in calls)  # the left-out ones
