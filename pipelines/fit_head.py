@@ -15,8 +15,27 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from adaflash.engine import Engine, FixedPolicy, Request
+from adaflash.engine import Engine, FixedPolicy, Request, RequestState
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, save_length_head
+
+
+def record_full_blocks(
+    target, drafter, prompt_ids: list[list[int]], max_new: int, concurrency: int, eos: list[int], draft_len: int | None = None
+) -> list[RequestState]:
+    """Serve the prompts verifying every drafted position (L = draft_len or K), keeping the block states:
+    finished requests in submission order, their rounds with uncensored labels."""
+    k = min(draft_len or drafter.block_size, drafter.block_size)
+    engine = Engine(target, drafter, FixedPolicy(k), eos, max_batch=concurrency, token_budget=concurrency * k + 4096, keep_hidden=True)
+    reqs = [Request(f"fit-{i}", ids, max_new) for i, ids in enumerate(prompt_ids)]
+    for r in reqs:
+        engine.submit(r)
+    bar, finished = tqdm(total=len(prompt_ids), desc="collect rounds", unit="prompt"), []
+    while not engine.idle:
+        finished += engine.step()
+        bar.update(len(finished) - bar.n)
+    bar.close()
+    order = {r.request_id: i for i, r in enumerate(reqs)}
+    return sorted(finished, key=lambda s: order[s.req.request_id])
 
 
 def collect_rounds(
@@ -24,14 +43,7 @@ def collect_rounds(
 ):
     """-> (block states [N, L, H], accepted [N]) from full-block verification rounds (L = draft_len or K)."""
     k = min(draft_len or drafter.block_size, drafter.block_size)
-    engine = Engine(target, drafter, FixedPolicy(k), eos, max_batch=concurrency, token_budget=concurrency * k + 4096, keep_hidden=True)
-    for i, ids in enumerate(prompt_ids):
-        engine.submit(Request(f"fit-{i}", ids, max_new))
-    bar, finished = tqdm(total=len(prompt_ids), desc="collect rounds", unit="prompt"), []
-    while not engine.idle:
-        finished += engine.step()
-        bar.update(len(finished) - bar.n)
-    bar.close()
+    finished = record_full_blocks(target, drafter, prompt_ids, max_new, concurrency, eos, draft_len)
     rounds = [r for s in finished for r in s.rounds if len(r.draft) == k - 1]
     return torch.stack([r.hidden for r in rounds]).float(), torch.tensor([r.accepted for r in rounds])
 

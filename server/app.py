@@ -50,7 +50,7 @@ def build_engine(cfg: ServeConfig, target):
     return Engine(
         target.model,
         drafter,
-        make_policy(m.policy, head),
+        make_policy(m.policy, head, target.model, drafter),
         target.eos_ids,
         e.max_batch,
         e.token_budget,

@@ -23,7 +23,7 @@ class ModelSection:
     drafter: str = str(DEFAULT_DRAFTER)  # drafter directory (config.json + model.safetensors [+ length head])
     drafter_dtype: str = "auto"  # auto: bf16 where this CPU runs it fast
     drafter_version: str = "0"  # version label of the initial drafter (the registry's after a hot-swap)
-    policy: str = "auto"  # auto (head if the drafter dir has a length head, else fixed) | head | fixed[K] | ema | ar
+    policy: str = "auto"  # auto (head if the drafter dir has a length head, else fixed) | head | cost | fixed[K] | ema | ar
 
     def __post_init__(self):
         if not self.name.strip():
@@ -145,8 +145,8 @@ class ServeConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == "vllm" and self.model.policy in ("head", "ema"):
-            raise ValueError(
+        if self.backend == "vllm" and self.model.policy in ("head", "ema", "cost"):
+            raise ValueError(  # stock vLLM fixes its draft length at start-up: no per-step knob to turn
                 f"model.policy {self.model.policy!r} needs the builtin backend; with backend vllm use "
                 "auto or fixed (verify the whole block), fixedK (K tokens per step) or ar (no drafter)"
             )

@@ -8,7 +8,8 @@ import shutil
 from adaflash.cli import main
 
 
-def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path, capsys):
+def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))  # where `cost` keeps its step-cost calibration
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?", "domain": "math"}) + "\n" for i in range(6)))
     drafter = tmp_path / "drafter"  # fit-head writes the head beside the drafter: keep the shared fixture head-free
@@ -23,7 +24,7 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
             "bench",
             *common,
             "--methods",
-            "ar,fixed,fixed2,ema,head,hf,hf-pld",
+            "ar,fixed,fixed2,ema,head,cost,hf,hf-pld",
             "--concurrency",
             "1,3",
             "--token-budget",
@@ -35,7 +36,7 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert code == 0
     res = json.loads((out / "results.json").read_text())
     rows = res["rows"]
-    assert len(rows) == 7 * 2 - 1  # hf-pld (batch-1 only in transformers) runs at concurrency 1 only
+    assert len(rows) == 8 * 2 - 1  # hf-pld (batch-1 only in transformers) runs at concurrency 1 only
     assert {r["concurrency"] for r in rows if r["method"] == "hf-pld"} == {1}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["n_requests"] == 6
@@ -43,9 +44,11 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
             assert r["speedup_vs_ar"] == 1.0 and r["tau"] == 1.0
     # every engine method commits the same greedy tokens as plain decoding
     committed = {(r["method"], r["concurrency"]): r["committed_tokens"] for r in rows}
-    assert len({v for (m, c), v in committed.items() if m in ("ar", "fixed", "fixed2", "ema", "head")}) == 1
+    assert len({v for (m, c), v in committed.items() if m in ("ar", "fixed", "fixed2", "ema", "head", "cost")}) == 1
     assert (out / "throughput.png").exists() and (out / "head_pred_vs_true.png").exists()
-    assert "| math | 3 | head |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| math | 3 | head |" in report and "| fastest | method | vs ar | vs the best fixed length |" in report
+    assert "| cost | " in report.split("vs the best fixed length |")[1] and list((tmp_path / "cache" / "cost").glob("*.json"))
     assert main(["bench", *common, "--methods", "warp"]) == 2
     # --min-requests: a cell runs max(min_requests, concurrency) prompts; with a draft vocabulary,
     # `-fullvocab` runs the same method drafting from the whole vocabulary, and both stay lossless

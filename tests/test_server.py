@@ -190,9 +190,11 @@ def test_registry_down_keeps_serving(target, tiny_hf_dir, tiny_drafter_dir, tmp_
     assert not state.swapper._thread.is_alive()  # stopped at shutdown
 
 
-def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, tmp_path):
+def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, tmp_path, monkeypatch):
     """auto: the length head when the drafter dir has one, else fixed; explicit policies as named."""
     import shutil
+
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))  # the cost policy's calibration
 
     from adaflash.server.app import build_engine
 
@@ -209,6 +211,9 @@ def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, t
     assert engine.policy.name == "head" and engine.slot.head is not None
     assert built(tiny_drafter_dir, "fixed2").policy.k == 2 and built(tiny_drafter_dir, "ema").policy.name == "ema"
     assert built(tiny_drafter_dir, "ar").drafter is None
+    assert built(tiny_drafter_dir, "cost").policy.name == "cost"  # step costs of this target and drafter measured at start
+    with pytest.raises(ValueError, match="'cost' needs the builtin backend"):  # stock vLLM fixes its draft length at start
+        serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, backend="vllm", model={"policy": "cost"})
     # prompt lookup is on by default (engine.lookup 4) and configurable; bad values are refused with the key
     assert (built(tiny_drafter_dir, "fixed").lookup, built(tiny_drafter_dir, "fixed").lookup_min) == (4, 2)
     off = build_engine(serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, engine={"lookup": 0}), target)

@@ -1,0 +1,336 @@
+"""Cost-aware verify lengths: per-position acceptance, learnt online, weighed against what a step costs.
+
+Per step the policy picks, for every request, the verify length L (tokens incl. the anchor; 1 = plain
+decoding) that maximises the batch's expected committed tokens per second:
+
+    E = sum_i (1 + sum_{j < L_i} c_ij),   c_ij = prod_{m <= j} p_im     expected tokens committed
+    T = t_T(R, sum_i L_i) + t_D(drafted requests, block length)         adaflash.cost.StepCost
+
+p_ij = P(position j accepted | positions < j accepted). c_ij falls with j, so at a rate lam (tokens/s)
+a request keeps exactly the positions with c_ij > lam * a2 (a2 = seconds per verified token); lam comes
+from Dinkelbach's iteration lam <- E / T, started at plain decoding's rate. Plain decoding is always
+one of the choices, so the policy can fall back to it.
+
+Two acceptance models (`AcceptanceModel`, logistic regressions refitted on every verified round: the
+labels are free, accepted positions 1, the first rejected 0, later ones unobserved):
+- before drafting (`select`, `plan_drafts`): from the position and the request's running acceptance,
+  which requests draft at all and how long a block the drafter runs. A request where no draft pays
+  skips the drafter pass and verifies its anchor alone; it is drafted again as a probe after 4, 8, ..
+  64 skipped steps, so a request whose text turns predictable is picked up again;
+- after drafting (`lengths`, `choose_lengths`): adds the drafter's own confidence per position (top-1
+  probability over the draft vocabulary) and picks the verify lengths; the drafting cost is spent by
+  then. (The length head's block prediction added nothing on held-out rounds where the confidence is
+  known: `adaflash policy-eval`, docs/benchmarks.md.)
+Greedy output is the target's whatever the lengths: the policy only decides how much is verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from adaflash.cost import StepCost, load_or_calibrate
+from adaflash.engine import RequestState, VerifyPolicy
+
+EPS = 1e-4
+PRIOR_NAMES = ("bias", "log_pos", "running")  # features before drafting
+BLOCK_NAMES = ("bias", "confidence", "log_pos", "running")  # after drafting
+
+
+def logit(p: torch.Tensor) -> torch.Tensor:
+    p = p.double().clamp(EPS, 1 - EPS)
+    return torch.log(p) - torch.log1p(-p)
+
+
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """Draft logits [R, J, Vd] -> top-1 probability at each drafted position [R, J]."""
+    return logits.float().softmax(-1).amax(-1)
+
+
+def prior_features(running: torch.Tensor, n_pos: int) -> torch.Tensor:
+    """Running acceptance [R] -> features [R, J, 3] of positions 1..J before drafting (PRIOR_NAMES)."""
+    r = running.shape[0]
+    pos = torch.arange(1, n_pos + 1, dtype=torch.float64).log().expand(r, n_pos)  # [R, J]
+    run = logit(running)[:, None].expand(r, n_pos)  # [R, J]
+    return torch.stack([torch.ones_like(pos), pos, run], -1)
+
+
+def block_features(conf: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+    """Drafter confidence [R, J], running acceptance [R] -> features [R, J, 4] (BLOCK_NAMES)."""
+    prior = prior_features(running, conf.shape[1])  # [R, J, 3]
+    return torch.stack([prior[..., 0], logit(conf), prior[..., 1], prior[..., 2]], -1)
+
+
+def round_labels(accepted: torch.Tensor, drafts: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted drafts [R] of drafts verified [R] -> (label [R, J] 1 = accepted, seen [R, J]): positions up
+    to the first rejection are observed, later ones are not (censored)."""
+    j = torch.arange(n_pos)[None]  # [1, J]: position j + 1
+    return (j < accepted[:, None]).double(), j < torch.minimum(accepted + 1, drafts)[:, None]
+
+
+class AcceptanceModel:
+    """P(accepted) = sigmoid(theta . x), refitted online by one Newton step per batch of labels (the
+    Laplace / extended-Kalman update of a logistic regression). The information from past labels
+    decays by `forget` per label toward the prior (mean theta0, weight `prior` per feature): the model
+    remembers about 1 / (1 - forget) labels, so traffic of a new domain moves it within a few hundred
+    labels (a few steps of a batch) and it never drifts where no label arrives."""
+
+    def __init__(self, theta0: list[float], prior: float = 1.0, forget: float = 0.995):
+        self.theta0 = torch.tensor(theta0, dtype=torch.float64)  # [d]
+        self.theta = self.theta0.clone()
+        self.prior, self.forget = prior, forget
+        self.info = prior * torch.eye(len(theta0), dtype=torch.float64)  # [d, d]
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Features [..., d] -> P(accepted) [...]."""
+        return torch.sigmoid(x.double() @ self.theta)
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Observed features [n, d] with labels [n] in [0, 1] (a probability where the label is not seen)."""
+        if x.shape[0] == 0:
+            return
+        x = x.double()
+        p = torch.sigmoid(x @ self.theta)  # [n]
+        decay = self.forget ** x.shape[0]
+        keep = (1 - decay) * self.prior
+        self.info = decay * self.info + keep * torch.eye(len(self.theta), dtype=torch.float64) + x.T @ (x * (p * (1 - p))[:, None])
+        grad = x.T @ (y.double() - p) + keep * (self.theta0 - self.theta)  # [d]
+        self.theta = self.theta + torch.linalg.solve(self.info, grad)
+
+
+@dataclass
+class Running:
+    """Discounted per-request acceptance counts over verified positions (accepted, observed), shrunk
+    toward the acceptance of all requests: what `running` means in the features."""
+
+    decay: float = 0.8  # per round of this request
+    strength: float = 4.0  # pseudo-observations of the global rate
+    g_acc: float = 1.0  # global counts (decayed per batch), start at 0.5
+    g_seen: float = 2.0
+    acc: dict[str, float] = field(default_factory=dict)
+    seen: dict[str, float] = field(default_factory=dict)
+
+    def rate(self, ids: list[str]) -> torch.Tensor:
+        """[R] running conditional acceptance of these requests."""
+        g = self.g_acc / self.g_seen
+        return torch.tensor([(self.acc.get(i, 0.0) + self.strength * g) / (self.seen.get(i, 0.0) + self.strength) for i in ids])
+
+    def update(self, ids: list[str], acc: torch.Tensor, seen: torch.Tensor, batch_decay: float = 0.97) -> None:
+        """Accepted [R] and observed [R] positions of one round per request."""
+        for i, a, s in zip(ids, acc.tolist(), seen.tolist()):
+            self.acc[i] = self.decay * self.acc.get(i, 0.0) + a
+            self.seen[i] = self.decay * self.seen.get(i, 0.0) + s
+        self.g_acc = batch_decay * self.g_acc + float(acc.sum())
+        self.g_seen = batch_decay * self.g_seen + float(seen.sum())
+
+    def forget(self, ids: list[str]) -> None:
+        for i in ids:
+            self.acc.pop(i, None)
+            self.seen.pop(i, None)
+
+
+# ----------------------------------------------------------------------------- the choice
+def choose_lengths(cum: torch.Tensor, fixed_s: float, tok_s: float, fixed_gain: float, iters: int = 20) -> tuple[torch.Tensor, float]:
+    """Verify lengths that maximise (fixed_gain + sum_i sum_{j < L_i - 1} cum_ij) / (fixed_s + tok_s * sum_i (L_i - 1)).
+
+    cum [R, J]: P(the first j drafts all accepted), non-increasing in j; fixed_s: the step's seconds
+    with every request verifying its anchor only (drafting included once it is spent); tok_s: seconds
+    per further verified token; fixed_gain: tokens committed anyway (one per request). -> (lengths [R]
+    in 1..J+1, the rate lam in tokens/s). Dinkelbach: each lam gives every request its best length
+    independently (keep position j while cum_ij > lam * tok_s), the lengths give a higher lam; it stops
+    when the lengths repeat.
+    """
+    lens = torch.ones(cum.shape[0], dtype=torch.long)  # [R]
+    lam = fixed_gain / fixed_s
+    for _ in range(iters):
+        new = 1 + (cum > lam * tok_s).sum(-1)  # [R]: a prefix, since cum falls with j
+        gain = fixed_gain + float((cum * (torch.arange(cum.shape[1])[None] < (new - 1)[:, None])).sum())
+        lam = gain / (fixed_s + tok_s * float((new - 1).sum()))
+        if torch.equal(new, lens):
+            break
+        lens = new
+    return lens, lam
+
+
+@dataclass
+class DraftPlan:
+    draft: torch.Tensor  # [R] bool: the request drafts this step
+    block: int  # block length the drafter runs (0 = no drafter pass)
+    lens: torch.Tensor  # [R] planned verify lengths (1 for requests that do not draft)
+    rate: float  # expected tokens/s of the planned step
+
+
+def plan_drafts(
+    cum: torch.Tensor,
+    fixed_s: float,
+    tok_s: float,
+    fixed_gain: float,
+    draft_s: tuple[float, float, float],
+    force: torch.Tensor | None = None,
+    iters: int = 20,
+) -> DraftPlan:
+    """Which requests draft and how long a block, before drafting (lengths <= the block).
+
+    cum [R, K-1] from the prior model; draft_s: (per pass, per drafted request, per drafted block row)
+    seconds; force [R] bool: requests that draft anyway (probes, at least one draft verified). For a
+    rate lam a request's surplus at block length Ld is its best net gain over lengths <= Ld minus the
+    drafting it adds, lam * (per request + per row * Ld); the block length maximises the summed positive
+    surpluses less one pass, and nobody drafts when that is not positive. lam iterates as in
+    `choose_lengths`."""
+    r, n_pos = cum.shape
+    force = torch.zeros(r, dtype=torch.bool) if force is None else force
+    d_pass, d_req, d_row = draft_s
+    blocks = torch.arange(2, n_pos + 2, dtype=torch.float64)  # [J]: block length with j drafts
+    lam, plan = fixed_gain / fixed_s, None
+    for _ in range(iters):
+        net = torch.cumsum(cum - lam * tok_s, -1)  # [R, J]: net gain of verifying the first j drafts
+        best, arg = torch.cummax(net, -1)  # [R, J]: best net gain with at most j drafts, and its j - 1
+        surplus = best - lam * (d_req + d_row * blocks)[None]  # [R, J]
+        surplus = torch.where(force[:, None], surplus.clamp(min=1e-9), surplus)
+        total = surplus.clamp(min=0).sum(0) - lam * d_pass  # [J]
+        k = int(total.argmax())
+        if float(total[k]) <= 0 and not bool(force.any()):
+            new = DraftPlan(torch.zeros(r, dtype=torch.bool), 0, torch.ones(r, dtype=torch.long), fixed_gain / fixed_s)
+        else:
+            draft = surplus[:, k] > 0  # [R]
+            drafts = torch.where(draft, arg[:, k] + 1, 0)  # [R] planned drafts verified
+            drafts = torch.where(force, drafts.clamp(min=1), drafts)
+            gain = fixed_gain + float((cum * (torch.arange(n_pos)[None] < drafts[:, None])).sum())
+            secs = fixed_s + tok_s * float(drafts.sum()) + d_pass + (d_req + d_row * (k + 2)) * int(draft.sum())
+            new = DraftPlan(draft, k + 2, 1 + drafts, gain / secs)
+        if plan is not None and torch.equal(new.lens, plan.lens) and new.block == plan.block:
+            break
+        plan, lam = new, new.rate
+    return plan
+
+
+# ----------------------------------------------------------------------------- the policy
+@dataclass
+class _Pending:
+    """A drafted request's features this step, labelled once it is verified."""
+
+    x: torch.Tensor  # [J, 4] block features
+    xp: torch.Tensor  # [J, 3] prior features
+    p: torch.Tensor  # [J] the block model's predictions
+
+
+class CostPolicy(VerifyPolicy):
+    """Verify lengths (and whether to draft) by expected committed tokens per second, see the module doc."""
+
+    name, timed, reads_logits = "cost", True, True
+
+    def __init__(self, cost: StepCost, block_size: int, slack: int = 1, forget: float = 0.995, prior: float = 1.0):
+        self.cost, self.k_blk, self.slack = cost, block_size, slack
+        self.block = AcceptanceModel([0.0, 1.0, 0.0, 0.0], prior, forget)  # starts as P = the drafter's confidence
+        self.prior = AcceptanceModel([0.0, 0.0, 1.0], prior, forget)  # starts as P = the running acceptance
+        self.running = Running()
+        self.pending: dict[str, _Pending] = {}
+        self.skipped: dict[str, int] = {}  # request -> steps skipped since it last drafted
+        self.probe_every: dict[str, int] = {}
+        self.forced: set[str] = set()
+        self._batch: tuple[int, int] | None = None  # this step's (requests, tokens) with every drafting request at its anchor
+        self._block = block_size
+
+    @classmethod
+    def for_models(cls, target, drafter) -> "CostPolicy":
+        """With the cached (or a fresh) calibration of these models' step costs on this machine."""
+        return cls(load_or_calibrate(target, drafter), drafter.block_size)
+
+    # -- before drafting
+    def select(self, states: list[RequestState], others: tuple[int, int] = (0, 0)) -> list[bool]:
+        """Which of `states` draft this step; `others`: (requests, tokens) the step verifies besides them
+        (prompt-lookup chains). Sets the block length `draft_len` returns."""
+        ids = [s.req.request_id for s in states]
+        n_req, n_tok = len(states) + others[0], len(states) + others[1]
+        self._batch = (n_req, n_tok)
+        force = torch.tensor([self._probe_due(i) for i in ids], dtype=torch.bool)
+        cum = self.prior.predict(prior_features(self.running.rate(ids), self.k_blk - 1)).cumprod(-1)  # [R, K-1]
+        plan = plan_drafts(cum, self.cost.verify(n_req, n_tok), self.cost.per_token, n_req, self.cost.per_drafted, force)
+        self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
+        self.forced = {i for i, f in zip(ids, force.tolist()) if f}
+        for i, d in zip(ids, plan.draft.tolist()):
+            self._after_plan(i, d)
+        self._prune(ids)
+        return plan.draft.tolist()
+
+    def _probe_due(self, rid: str) -> bool:
+        return self.skipped.get(rid, 0) >= self.probe_every.get(rid, 4)
+
+    def _after_plan(self, rid: str, drafts: bool) -> None:
+        if rid in self.forced:  # a probe: if it still does not pay, wait twice as long for the next
+            self.probe_every[rid] = min(64, 2 * self.probe_every.get(rid, 4))
+            self.skipped[rid] = 0
+        elif drafts:
+            self.probe_every.pop(rid, None)
+            self.skipped[rid] = 0
+        else:
+            self.skipped[rid] = self.skipped.get(rid, 0) + 1
+
+    def _prune(self, live: list[str]) -> None:
+        """Forget requests that are no longer running."""
+        live = set(live)
+        gone = [i for i in self.skipped if i not in live]
+        for i in gone:
+            self.skipped.pop(i, None)
+            self.probe_every.pop(i, None)
+            self.pending.pop(i, None)
+        self.running.forget(gone)
+
+    def draft_len(self, k_blk, head=None):
+        return min(self._block, k_blk)
+
+    # -- after drafting
+    def lengths(self, states, hidden, k_blk, logits=None):
+        """hidden [R, L, H] drafted block states, logits [R, L-1, Vd] their draft logits (computed here
+        when not given) -> verify lengths in 1..L (forced probes at least 2)."""
+        ids = [s.req.request_id for s in states]
+        n_pos = hidden.shape[1] - 1
+        if n_pos < 1:
+            return [1] * len(states), [float("nan")] * len(states)
+        conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]) if logits is None else logits)  # [R, J]
+        run = self.running.rate(ids)  # [R]
+        x = block_features(conf, run)  # [R, J, 4]
+        cond = self.block.predict(x)  # [R, J]
+        cum = cond.cumprod(-1)
+        n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
+        fixed_s = self.cost.verify(n_req, n_tok) + self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
+        lens, _ = choose_lengths(cum, fixed_s, self.cost.per_token, n_req)
+        forced = torch.tensor([i in self.forced for i in ids], dtype=torch.bool)
+        lens = torch.where(forced, lens.clamp(min=2), lens)
+        xp = prior_features(run, n_pos)  # [R, J, 3]
+        for j, i in enumerate(ids):
+            self.pending[i] = _Pending(x[j], xp[j], cond[j])
+        return lens.tolist(), [float("nan")] * len(states)
+
+    def observe(self, states, accepted):
+        """Label each verified round's positions and refit both acceptance models. Where a drafted
+        position's label is not seen (not verified, or after the first rejection) the prior model learns
+        what the block model predicted there: so a request whose drafts are never worth verifying stops
+        being drafted, and no outcome decides which positions the prior model learns from."""
+        fit, prior, ids, acc_n, seen_n = [], [], [], [], []
+        for s, a in zip(states, accepted):
+            rid = s.req.request_id
+            p = self.pending.pop(rid, None)
+            if p is None:
+                continue
+            drafts = len(s.rounds[-1].draft) if s.rounds else 0
+            y, seen = round_labels(torch.tensor([a]), torch.tensor([drafts]), len(p.p))  # [1, J]
+            y, seen = y[0], seen[0]
+            fit.append((p.x[seen], y[seen]))
+            prior.append((p.xp, torch.where(seen, y, p.p)))  # [J, 3], [J]
+            if drafts:
+                ids.append(rid)
+                acc_n.append(float(y[seen].sum()))
+                seen_n.append(float(seen.sum()))
+        if fit:
+            self.block.update(torch.cat([x for x, _ in fit]), torch.cat([y for _, y in fit]))
+            self.prior.update(torch.cat([x for x, _ in prior]), torch.cat([y for _, y in prior]))
+        if ids:
+            self.running.update(ids, torch.tensor(acc_n), torch.tensor(seen_n))
+
+    def observe_timing(self, verify, draft):
+        """Refit the step-cost model on the step just run."""
+        self.cost.observe_verify(*verify)
+        if draft is not None:
+            self.cost.observe_draft(*draft)

@@ -1,0 +1,267 @@
+"""Cost-aware verify policy: the step-cost model, the online acceptance model, the choice (checked
+against brute force), and the policy in the engine: lossless, and plain decoding with a useless drafter."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+
+from adaflash.cost import Linear, StepCost, calibrate, load_or_calibrate
+from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
+from adaflash.policy_cost import (
+    AcceptanceModel,
+    CostPolicy,
+    block_features,
+    choose_lengths,
+    logit,
+    plan_drafts,
+    prior_features,
+    round_labels,
+)
+
+CHEAP = {"a": (0.01, 0.001, 0.0001), "d": (0.0005, 0.0001, 0.00001)}  # a machine where drafts pay if accepted at all
+
+
+def linear_cost(a=(0.06, 0.01, 0.005), d=(0.005, 0.003, 0.0005)) -> StepCost:
+    """A StepCost whose calibration points lie exactly on t_T = a0 + a1 R + a2 N, t_D = d0 + d1 Rd + d2 Rd Ld."""
+    tp = [(r, r * n, a[0] + a[1] * r + a[2] * r * n) for r, n in [(1, 1), (1, 4), (1, 16), (4, 1), (4, 4), (8, 1), (8, 4)]]
+    dp = [(r, ld, d[0] + d[1] * r + d[2] * r * ld) for r, ld in [(1, 2), (1, 16), (4, 4), (8, 2), (8, 8)]]
+    return StepCost(tp, dp)
+
+
+# ----------------------------------------------------------------------------- cost model
+def test_linear_fit_recovers_coefficients_and_follows_live_steps():
+    c = linear_cost()
+    torch.testing.assert_close(c.target.theta, torch.tensor([0.06, 0.01, 0.005], dtype=torch.float64))
+    assert c.per_token == pytest.approx(0.005) and c.per_drafted == pytest.approx((0.005, 0.003, 0.0005))
+    assert c.draft(0, 16) == 0.0  # no drafted request: no pass
+    for _ in range(60):  # the machine got 30% slower at R = 8 with varying lengths: the fit follows
+        for n in (8, 16, 24, 32):
+            c.observe_verify(8, n, 1.3 * (0.06 + 0.08 + 0.005 * n))
+    assert c.verify(8, 20) == pytest.approx(1.3 * (0.14 + 0.1), rel=0.03)
+    assert c.per_token == pytest.approx(1.3 * 0.005, rel=0.05)
+
+
+def test_linear_clips_outliers():
+    lin = Linear(["1", "N"], [[1, 1], [1, 10]], [0.1, 1.0])
+    lin.observe([1, 5], 100.0)  # one step stalled by another process
+    assert lin(1, 5) < 0.55 * 1.6
+
+
+def test_step_cost_json_round_trip():
+    c = linear_cost()
+    back = StepCost.from_json(json.loads(json.dumps(c.to_json())))
+    assert back.verify(5, 17) == pytest.approx(c.verify(5, 17)) and back.draft(3, 4) == pytest.approx(c.draft(3, 4))
+
+
+def test_calibration_is_cached_per_machine(tmp_path, monkeypatch):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    real = calibrate(target, drafter, reps=1)  # the real sweep on tiny models: every point timed
+    assert len(real.points["target"]) == 7 and all(t > 0 for *_, t in real.points["target"] + real.points["drafter"])
+    calls, result = [], [linear_cost()]
+    monkeypatch.setattr("adaflash.cost.calibrate", lambda *a, **k: calls.append(1) or result[0])
+    first = load_or_calibrate(target, drafter, tmp_path)
+    again = load_or_calibrate(target, drafter, tmp_path)
+    assert len(calls) == 1 and again.verify(4, 9) == pytest.approx(first.verify(4, 9))
+    (path,) = tmp_path.glob("*.json")
+    assert json.loads(path.read_text())["key"]["threads"] == torch.get_num_threads()
+    path.write_text("{broken")  # an unreadable cache is measured again
+    load_or_calibrate(target, drafter, tmp_path)
+    assert len(calls) == 2
+    path.unlink()  # a sweep other processes disturbed (points off the linear fit) is used, not kept
+    tp = [(1, 1, 0.5), (1, 4, 0.1), (1, 16, 0.3), (4, 4, 0.2), (4, 16, 0.2), (8, 8, 0.9), (8, 32, 0.3)]
+    result[0] = StepCost(tp, linear_cost().points["drafter"])
+    assert not result[0].plausible() and linear_cost().plausible()
+    load_or_calibrate(target, drafter, tmp_path)
+    assert len(calls) == 3 and not list(tmp_path.glob("*.json"))
+
+
+# ----------------------------------------------------------------------------- acceptance model
+def test_round_labels_censor_after_the_first_rejection():
+    y, seen = round_labels(torch.tensor([0, 2, 3]), torch.tensor([3, 4, 3]), 4)
+    assert seen.tolist() == [[True, False, False, False], [True, True, True, False], [True, True, True, False]]
+    assert (y * seen).tolist() == [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+
+
+def test_features_shapes_and_prior_starts_at_confidence():
+    conf = torch.tensor([[0.9, 0.5, 0.2]])
+    x = block_features(conf, torch.tensor([0.4]))  # [1, 3, 4]
+    assert x.shape == (1, 3, 4) and prior_features(torch.tensor([0.4, 0.5]), 3).shape == (2, 3, 3)
+    model = AcceptanceModel([0.0, 1.0, 0.0, 0.0])
+    torch.testing.assert_close(model.predict(x), conf.double(), atol=1e-4, rtol=0)
+
+
+def test_acceptance_model_learns_a_new_domain_within_a_few_batches():
+    """The drafter's confidence is overconfident by a domain-specific shift: the model recovers it."""
+    g = torch.Generator().manual_seed(0)
+    model = AcceptanceModel([0.0, 1.0, 0.0, 0.0])
+    for shift, batches in ((-1.0, 40), (-3.0, 8)):  # a first domain, then a harder one
+        for _ in range(batches):
+            conf = torch.rand(32, 4, generator=g) * 0.98 + 0.01
+            x = block_features(conf, torch.full((32,), 0.5)).reshape(-1, 4)
+            p = torch.sigmoid(logit(conf.reshape(-1)) + shift)
+            model.update(x, (torch.rand(len(p), generator=g) < p).double())
+        conf = torch.full((1, 1), 0.8)
+        want = float(torch.sigmoid(logit(conf) + shift))
+        assert float(model.predict(block_features(conf, torch.tensor([0.5])))) == pytest.approx(want, abs=0.08), shift
+
+
+# ----------------------------------------------------------------------------- the choice
+def brute_force(cum: torch.Tensor, fixed_s: float, tok_s: float, gain0: float) -> float:
+    best = 0.0
+    r, j = cum.shape
+    for lens in itertools.product(range(j + 1), repeat=r):
+        gain = gain0 + sum(float(cum[i, :n].sum()) for i, n in enumerate(lens))
+        best = max(best, gain / (fixed_s + tok_s * sum(lens)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choose_lengths_matches_brute_force(seed):
+    g = torch.Generator().manual_seed(seed)
+    cum = torch.rand(3, 4, generator=g, dtype=torch.float64).cumprod(-1)  # [R, J] non-increasing
+    fixed_s, tok_s = 0.05 + 0.1 * float(torch.rand(1, generator=g)), 0.002 + 0.03 * float(torch.rand(1, generator=g))
+    lens, lam = choose_lengths(cum, fixed_s, tok_s, 3)
+    got = (3 + sum(float(cum[i, : n - 1].sum()) for i, n in enumerate(lens.tolist()))) / (fixed_s + tok_s * float((lens - 1).sum()))
+    assert got == pytest.approx(brute_force(cum, fixed_s, tok_s, 3), rel=1e-9) and lam == pytest.approx(got)
+
+
+def test_plan_drafts_falls_back_to_plain_decoding_when_drafts_do_not_pay():
+    c = linear_cost()
+    for r in (1, 8, 32):
+        useless = torch.full((r, 15), 0.02, dtype=torch.float64).cumprod(-1)
+        plan = plan_drafts(useless, c.verify(r, r), c.per_token, r, c.per_drafted)
+        assert not plan.draft.any() and plan.block == 0 and plan.lens.tolist() == [1] * r
+        good = torch.full((r, 15), 0.8, dtype=torch.float64).cumprod(-1)
+        plan = plan_drafts(good, c.verify(r, r), c.per_token, r, c.per_drafted)
+        assert plan.draft.all() and plan.block >= 3 and plan.rate > r / c.verify(r, r)
+    force = torch.tensor([True, False])  # a probe drafts and verifies at least one draft anyway
+    plan = plan_drafts(torch.full((2, 15), 0.02, dtype=torch.float64).cumprod(-1), c.verify(2, 2), c.per_token, 2, c.per_drafted, force)
+    assert plan.draft.tolist() == [True, False] and plan.lens.tolist() == [2, 1] and plan.block == 2
+
+
+def test_longer_blocks_where_tokens_are_cheap():
+    """The same acceptance verifies more per request at one request than at 32 (a CPU's tokens cost)."""
+    c = linear_cost()
+    cum = torch.full((32, 15), 0.7, dtype=torch.float64).cumprod(-1)
+    one = plan_drafts(cum[:1], c.verify(1, 1), c.per_token, 1, c.per_drafted)
+    many = plan_drafts(cum, c.verify(32, 32), c.per_token, 32, c.per_drafted)
+    assert one.block > many.block >= 2
+
+
+# ----------------------------------------------------------------------------- in the engine
+def requests(n: int, seed: int = 1) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    return [Request(f"r{i}", torch.randint(0, 64, (3 + (i * 5) % 11,), generator=g).tolist(), max_new_tokens=24 + 3 * i) for i in range(n)]
+
+
+def test_cost_policy_is_lossless():
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    reqs = requests(6)
+    plain = Engine(target, None, ARPolicy(), eos_ids=[5], max_batch=3).run(reqs)
+    policy = CostPolicy(linear_cost(**CHEAP), drafter.block_size)
+    states = Engine(target, drafter, policy, eos_ids=[5], max_batch=3, token_budget=40).run(reqs)
+    assert [s.out for s in states] == [p.out for p in plain]
+    assert any(rd.verify_len > 1 for s in states for rd in s.rounds)
+
+
+def test_useless_drafter_falls_back_to_plain_decoding():
+    """A fixed-logit drafter that always proposes a token the target never emits: within a few steps
+    the policy verifies the anchor alone and would not draft a new request; output stays plain decoding's."""
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    reqs = requests(6)
+    plain = Engine(target, None, ARPolicy(), eos_ids=[5], max_batch=3).run(reqs)
+    bad = next(t for t in range(64) if all(t not in p.out for p in plain))
+    vd = drafter.logits(torch.zeros(1, 64)).shape[-1]
+    drafter.logits = lambda h: torch.full((*h.shape[:-1], vd), -10.0).index_fill_(-1, torch.tensor([bad]), 10.0)  # [..., Vd]
+    policy = CostPolicy(linear_cost(**CHEAP), drafter.block_size)
+    engine = Engine(target, drafter, policy, eos_ids=[5], max_batch=3, token_budget=40)
+    drafted, real = [], drafter.draft_many  # (step, requests) of every drafter pass
+
+    def spy(caches, last, length=None):
+        drafted.append((engine.stats["steps"], len(caches)))
+        return real(caches, last, length)
+
+    drafter.draft_many = spy
+    states = engine.run(reqs)
+    assert [s.out for s in states] == [p.out for p in plain]
+    assert all(rd.accepted == 0 for s in states for rd in s.rounds)
+    assert drafted[0] == (0, 3)  # at first it drafts every request (a new drafter might be good)
+    late = [n for step, n in drafted if step >= engine.stats["steps"] // 3]
+    assert sum(late) <= 0.1 * sum(len(s.rounds) for s in states)  # then only the probes draft: plain decoding
+    fresh = [RequestState(r, DrafterSlot(drafter), None, None, torch.Generator()) for r in requests(3, seed=9)]
+    assert policy.select(fresh) == [False, False, False]  # new requests are not drafted either
+
+
+def test_skipped_requests_are_probed_with_backoff():
+    policy = CostPolicy(linear_cost(), 16)
+    for _ in range(30):  # the running acceptance says nothing pays
+        policy.running.update(["a"], torch.tensor([0.0]), torch.tensor([1.0]))
+    policy.prior = AcceptanceModel([0.0, 0.0, 1.0], prior=1e6)  # pinned: P = running acceptance
+    st = [RequestState(Request("a", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator())]
+    drafted = [i for i in range(40) if policy.select(st)[0]]
+    assert drafted == [4, 13, 30]  # after 4 skipped steps, then 8, then 16
+
+
+# ----------------------------------------------------------------------------- offline evaluation
+def test_eval_metrics_against_plain_definitions():
+    from adaflash.pipelines.policy_eval import auc, r2, reliability
+
+    score, label = torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0.0, 0.0, 1.0, 1.0])
+    assert auc(score, label) == pytest.approx(0.75)  # 3 of the 4 (positive, negative) pairs ordered
+    assert r2(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 3.0])) == 1.0
+    assert r2(torch.full((3,), 2.0), torch.tensor([1.0, 2.0, 3.0])) == 0.0  # the mean explains nothing
+    rel = reliability(torch.tensor([[0.05, 0.95], [0.05, 0.95]]), torch.tensor([0, 2]))  # position 2 seen once
+    assert [(b["n"], b["observed"]) for b in rel] == [(2, 0.5), (1, 1.0)]
+
+
+def test_evaluate_scores_held_out_requests_only():
+    """Synthetic blocks whose acceptance follows the drafter's confidence: the confidence model separates
+    them on the held-out half, the prior model (no confidence) cannot."""
+    from adaflash.pipelines.policy_eval import Block, evaluate
+
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    for req in range(40):
+        for t in range(12):
+            conf = torch.rand(5, generator=g) * 0.98 + 0.01
+            ok = torch.rand(5, generator=g) < conf
+            acc = int(ok.long().cumprod(0).sum())
+            blocks.append(Block(req, "d" if req < 20 else "e", 1000 * t + req, conf, float("nan"), acc))
+    rep = evaluate(blocks, 6)
+    assert rep["fit_blocks"] == 240 and rep["models"]["confidence"]["all"]["blocks"] == 240
+    assert rep["models"]["confidence"]["all"]["auc_pos1"] > 0.8 > rep["models"]["prior"]["all"]["auc_pos1"]
+    assert rep["models"]["confidence"]["all"]["r2_accepted"] > 0.3 and "length_head" not in rep
+    assert set(rep["models"]["confidence"]["domains"]) == {"d", "e"}
+
+
+def test_engine_leaves_unselected_requests_undrafted():
+    """VerifyPolicy.select: a request the policy leaves out verifies its anchor alone that step, the policy
+    sees the rest of the step (prompt-lookup rounds) as `others`, and greedy output stays plain decoding's."""
+    from adaflash.engine import FixedPolicy
+
+    calls = []
+
+    class EveryOther(FixedPolicy):
+        def select(self, states, others=(0, 0)):
+            calls.append((len(states), others))
+            return [i % 2 == 0 for i in range(len(states))]
+
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    reqs = requests(5)
+    plain = Engine(target, None, ARPolicy(), eos_ids=[5], max_batch=3).run(reqs)
+    engine = Engine(target, drafter, EveryOther(4), eos_ids=[5], max_batch=3, lookup=3, lookup_min=1)
+    states = engine.run(reqs)
+    assert [s.out for s in states] == [p.out for p in plain]
+    assert all(n + others[0] <= 3 and others[1] >= others[0] for n, others in calls)
+    assert any(others[0] > 0 and others[1] > others[0] for _, others in calls)  # lookup chains counted with their tokens
+    drafter_rounds = [r for s in states for r in s.rounds if r.source == "drafter"]
+    assert sum(r.verify_len == 1 for r in drafter_rounds) >= sum(n // 2 for n, _ in calls)  # the left-out ones
