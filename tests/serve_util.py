@@ -51,3 +51,12 @@ def running_server(cfg: ServeConfig, target=None, api_key: str | None = None, wa
         server.should_exit = True
         thread.join(60)
         sock.close()
+
+
+def wait_version(url: str, version: str, timeout: float, endpoint: str = "/v1/status") -> float:
+    """Seconds until the server at `url` reports `version` as its live drafter (fails after `timeout`)."""
+    t0 = time.monotonic()
+    while (now := requests.get(f"{url}{endpoint}", timeout=5).json().get("drafter_version")) != version:
+        assert time.monotonic() - t0 < timeout, f"server serves drafter version {now}, not {version}, after {timeout:.0f} s"
+        time.sleep(0.05)
+    return time.monotonic() - t0

@@ -9,12 +9,11 @@ is written to that file (the picture the README links)."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import requests
-from serve_util import running_server, serve_config
+from serve_util import running_server, serve_config, wait_version
 
 from adaflash.registry import CHAMPION, Registry, bootstrap
 
@@ -25,17 +24,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 INTERVAL = 1.0  # the server's registry poll
-
-
-def served_version(url: str) -> str | None:
-    return requests.get(f"{url}/v1/status", timeout=5).json().get("drafter_version")
-
-
-def wait_version(url: str, version: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while (now := served_version(url)) != version:
-        assert time.monotonic() < deadline, f"server serves version {now}, not {version}, after {timeout:.0f} s"
-        time.sleep(0.1)
 
 
 def test_champion_moved_back_in_the_mlflow_ui_swaps_the_server(mlflow_server, tiny_hf_dir, tiny_drafter_dir, tmp_path):

@@ -6,23 +6,13 @@ within two poll intervals."""
 from __future__ import annotations
 
 import threading
-import time
 
 import requests
-from serve_util import running_server, serve_config
+from serve_util import running_server, serve_config, wait_version
 
 from adaflash.registry import Registry, bootstrap
 
 INTERVAL = 1.0
-
-
-def wait_version(url: str, version: str, timeout: float) -> float:
-    """Seconds until the server reports `version` as its live drafter."""
-    t0 = time.monotonic()
-    while requests.get(f"{url}/v1/status", timeout=5).json().get("drafter_version") != version:
-        assert time.monotonic() - t0 < timeout, f"server did not swap to version {version} within {timeout} s"
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def test_server_swaps_on_promotion_and_back_on_rest_rollback(mlflow_server, tiny_hf_dir, tiny_drafter_dir, tmp_path):

@@ -17,7 +17,7 @@ import torch
 from adaflash.pipelines.bench import BenchPrompt, run_vllm_peers
 from adaflash.pipelines.prompts import load_domain
 from conftest import greedy_reference
-from serve_util import running_server, serve_config
+from serve_util import running_server, serve_config, wait_version
 
 from adaflash.buffer import ShardReader
 from adaflash.dflash_format import vllm_python
@@ -120,13 +120,6 @@ def served(target, mlflow_server, tmp_path_factory):
         assert anchors[-1] < prompt_len + len(row.output_ids)
 
 
-def _wait_version(url: str, version: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while requests.get(f"{url}/ready", timeout=5).json().get("drafter_version") != version:
-        assert time.monotonic() < deadline, f"server did not swap to version {version} within {timeout} s"
-        time.sleep(0.1)
-
-
 def _chat(client, target, q: str, stream: bool = False):
     msgs = [{"role": "user", "content": q}]
     if stream:
@@ -142,7 +135,7 @@ Q = "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes 
 
 def test_openai_api_on_vllm_equals_plain_decoding(served, target):
     url, client, _, finished, _, _ = served
-    _wait_version(url, "1", 60)
+    wait_version(url, "1", 60, "/ready")
     ids = target.encode_chat(Q)
     want = target.tokenizer.decode(greedy_reference(target.model, ids, MAX_TOKENS, target.eos_ids), skip_special_tokens=True)
     for stream in (False, True):
@@ -167,7 +160,7 @@ def test_hot_swap_into_vllm_changes_the_draft_not_the_target(served, target):
     step while the output stays the target's, with no failed request under streaming load; a version of
     another target is refused; moving champion back (the UI's rollback) restores the acceptance."""
     url, client, reg, finished, tmp, state = served
-    _wait_version(url, "1", 60)
+    wait_version(url, "1", 60, "/ready")
     text1, stats1, _ = _chat(client, target, Q)
     bad = reg.register(_perturbed(target, tmp / "perturbed"), tags={"note": "negated outputs: useless drafts"})
     statuses, gaps, stop = [], [], threading.Event()
@@ -190,10 +183,10 @@ def test_hot_swap_into_vllm_changes_the_draft_not_the_target(served, target):
         c.start()
     try:
         reg.set_champion(bad)
-        _wait_version(url, bad, 120)
+        wait_version(url, bad, 120, "/ready")
         text_bad, stats_bad, _ = _chat(client, target, Q)
         reg.set_champion("1")
-        _wait_version(url, "1", 120)
+        wait_version(url, "1", 120, "/ready")
     finally:
         stop.set()
         for c in clients:
@@ -214,7 +207,7 @@ def test_hot_swap_into_vllm_changes_the_draft_not_the_target(served, target):
 
 def test_a_version_for_another_target_is_refused_and_serving_goes_on(served, target, tiny_drafter_dir):
     url, client, reg, _, _, _ = served
-    _wait_version(url, "1", 60)
+    wait_version(url, "1", 60, "/ready")
     foreign = reg.register(tiny_drafter_dir, tags={"note": "trained for the tiny test target"})
     reg.set_champion(foreign)
     auth = {"Authorization": "Bearer sk-v"}
@@ -235,7 +228,7 @@ def test_rows_from_vllm_replay_to_the_same_acceptance(served, target):
     from adaflash.spec import accepted_length
 
     url, client, _, _, tmp, _ = served
-    _wait_version(url, "1", 60)
+    wait_version(url, "1", 60, "/ready")
     ids = {
         client.chat.completions.create(
             model="smollm2",
