@@ -155,7 +155,14 @@ class Attention(nn.Module):
         """q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: bool [B or 1, 1, T, S], True = may attend.
 
         Plain matmul attention: on CPU it beats SDPA's flash kernel several times for the short query
-        blocks of decoding and verification. Query heads are grouped per KV head (no K/V copies)."""
+        blocks of decoding and verification. Query heads are grouped per KV head (no K/V copies).
+        bf16 inference on CPU (a bf16 drafter) multiplies in float32: a bf16 matmul goes through oneDNN,
+        which builds and caches a primitive (~0.3 MB, two caches of 1,024 entries) for every new key
+        length, and a decoding context has a new one every step, so the server's memory crept up with
+        entries never used again (and each step paid the JIT); float32 matmul is MKL's, uncached."""
+        out_dtype = v.dtype
+        if out_dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled():
+            q, k, v = q.float(), k.float(), v.float()
         b, h, t, d = q.shape
         rep = h // self.n_kv_heads
         q = q.reshape(b, self.n_kv_heads, rep * t, d)  # heads h = kv * rep + r share kv head `kv`
@@ -164,7 +171,7 @@ class Attention(nn.Module):
             scores = scores.view(b, self.n_kv_heads, rep, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
             scores = scores.view(b, self.n_kv_heads, rep * t, -1)
         out = scores.softmax(-1).to(v.dtype) @ v  # [B, Hkv, rep*T, D]
-        return out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D], before o_proj
+        return out.view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d).to(out_dtype)  # [B, T, H*D], before o_proj
 
 
 class DecoderLayer(nn.Module):

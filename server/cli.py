@@ -25,6 +25,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from adaflash.server.runner import cap_kernel_caches
+
+    cap_kernel_caches()  # before any model runs
     from adaflash.server.app import GracefulServer, create_app
     from adaflash.server.config import ServeConfig
 

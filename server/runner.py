@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
+import ctypes.util
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +26,29 @@ from adaflash.buffer import ShardWriter
 from adaflash.engine import Engine, Request, RequestState
 
 log = logging.getLogger("adaflash.server")
+
+
+def _malloc_trim() -> Callable[[], object] | None:
+    """glibc's malloc_trim(0), or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
+
+KERNEL_CACHE_ENTRIES = 128  # per cache; ~0.3 MB an entry
+
+
+def cap_kernel_caches() -> None:
+    """Bound oneDNN's primitive cache and ideep's LRU cache (1,024 entries each by default, ~0.3 MB an
+    entry: JIT code and buffers for one problem shape) to KERNEL_CACHE_ENTRIES, unless the environment
+    sets them. A serving step's packed linears have a new row count whenever the batch's verify tokens
+    change, so with the defaults the caches filled for hours (the soak's ~10 MB/min). Read once, at the
+    first oneDNN call: call this before any model runs (`adaflash serve` does, first thing)."""
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(var, str(KERNEL_CACHE_ENTRIES))
 
 
 class QueueFull(Exception):
@@ -100,6 +126,7 @@ def request_stats(st: RequestState, policy: str, k_blk: int, handle: Handle) -> 
 
 class EngineRunner:
     WINDOW_S = 10.0  # window of the recent rates (tokens/s, tau, verify tokens per step)
+    TRIM_EVERY_S = 30.0  # hand free heap pages back to the OS at most this often (and when the engine goes idle)
 
     def __init__(self, engine: Engine, writer: ShardWriter | None, max_queued: int, on_finish: Callable[[str, dict], None] | None = None):
         """on_finish(finish_reason, adaflash stats) is called on the engine thread for every finished request."""
@@ -113,7 +140,7 @@ class EngineRunner:
         self._accepting = True
         self._closing = threading.Event()
         self._recent: collections.deque = collections.deque()  # (t, generated, rounds, spec tokens, verify tokens)
-        self._t0 = time.monotonic()
+        self._t0 = self._trimmed = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="adaflash-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -199,6 +226,8 @@ class EngineRunner:
                     return
             if not self.engine.idle:
                 self._step()
+                if self.engine.idle or time.monotonic() - self._trimmed > self.TRIM_EVERY_S:
+                    self._trim()
             else:
                 self.engine.apply_swap()  # an idle server still goes live with a new drafter
             if self.writer is not None:
@@ -206,6 +235,15 @@ class EngineRunner:
                     self.writer.flush_if_due()
                 except Exception:
                     log.exception("flushing a trajectory shard failed; rows stay buffered")
+
+    def _trim(self) -> None:
+        """Return the heap's free pages to the OS. glibc keeps what a finished request's KV caches, a
+        step's activations and a swapped-out drafter freed inside its per-thread arenas, fragmented, so
+        the process RSS only ever grew (the soak: ~150 MB per hot-swap); malloc_trim hands the free
+        pages back (a few ms; what is reused later is faulted in again)."""
+        self._trimmed = time.monotonic()
+        if MALLOC_TRIM is not None:
+            MALLOC_TRIM(0)
 
     def _take_inbox(self, block: bool) -> None:
         items = []

@@ -5,16 +5,20 @@ with the request count."""
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 import torch
+from adaflash.server.runner import cap_kernel_caches
 from conftest import write_tiny_hf
 from serve_util import running_server, serve_config
 
-from adaflash.drafter import Drafter, DrafterConfig, load_drafter
+from adaflash.drafter import Drafter, DrafterConfig, load_drafter, load_drafter_and_head
 from adaflash.target import KVCache, load_target
+
+cap_kernel_caches()  # as `adaflash serve` does; at import, before any test runs a model
 
 
 def rss_mb() -> float:
@@ -64,3 +68,47 @@ def test_memory_is_flat_over_many_requests_and_a_swap(smollm2_dir, tmp_path):
         assert state.runner.counters.rows_written == 120  # every completed request still became a trajectory row
     # 150 MB here when the engine kept its finished requests; the rest is allocator noise
     assert rss1 - rss0 < 50, f"RSS grew {rss1 - rss0:.0f} MB over 100 requests ({rss0:.0f} -> {rss1:.0f} MB)"
+
+
+def test_memory_is_flat_over_hot_swaps(smollm2_dir, tmp_path):
+    # a bf16 drafter beside the fp32 target, as `drafter_dtype: auto` serves on this CPU: its attention
+    # multiplies in float32 (a bf16 matmul cached a oneDNN primitive for every new context length), and
+    # each swap frees a drafter whose pages the engine thread's malloc_trim hands back
+    (tmp_path / "target").mkdir()
+    hf = write_tiny_hf(tmp_path / "target", smollm2_dir, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, head_dim=128)
+    target = load_target(str(hf), "float32")
+    versions = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        d = Drafter(DrafterConfig.for_target(target.model, target.identity, num_layers=2, block_size=4), target.model)
+        versions.append(d.save(tmp_path / f"drafter{seed}", dtype=torch.bfloat16))
+    cfg = serve_config(
+        hf, versions[0], tmp_path / "buffer", model={"drafter_dtype": "bfloat16"}, engine={"max_batch": 4, "max_queued": 64, "lookup": 0}
+    )
+    prompts = [f"Request {i}: " + " ".join(["count to ten and back"] * (1 + i % 9)) for i in range(400)]
+
+    def complete(i: int) -> str:
+        r = requests.post(
+            f"{url}/v1/completions", timeout=120, json={"model": "tiny", "prompt": prompts[i], "max_tokens": 24 + i % 17, "temperature": 0}
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["adaflash"]["drafter_version"]
+
+    rss, n = [], 0
+    with running_server(cfg, target=target) as (url, state, _), ThreadPoolExecutor(4) as pool:
+        engine = state.runner.engine
+        for k in range(7):  # warm-up, then 6 swaps alternating the two versions, 24 requests after each
+            if k:
+                with ThreadPoolExecutor(1) as loader:  # loaded on its own thread, as the hot-swapper does
+                    drafter, head = loader.submit(load_drafter_and_head, versions[k % 2], target, torch.bfloat16).result()
+                engine.swap(drafter, head, version=str(k))
+                del drafter, head
+            assert set(pool.map(complete, range(n, n + 24))) <= {str(k), str(k - 1)}
+            n += 24
+            assert engine.idle
+            time.sleep(0.2)  # the engine thread trims once it is idle
+            rss.append(rss_mb())
+    growth = rss[-1] - rss[1]
+    # 5 more swaps and 120 more requests after the first swap: +199 MB before the fixes (bf16 attention in oneDNN,
+    # uncapped kernel caches, no trim), +85 MB with the first and the trim, ~+20 MB with all three
+    assert growth < 40, f"RSS grew {growth:.0f} MB over 5 more swaps: {[round(x) for x in rss]}"
