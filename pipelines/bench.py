@@ -34,6 +34,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -83,6 +84,25 @@ class BenchPrompt:
     ids: list[int]
 
 
+def make_engine(
+    method: str, target, drafter, head, concurrency: int, eos: list[int], token_budget: int, lookup: tuple[int, int] = (4, 2)
+) -> Engine:
+    """The engine an engine method runs on (its verify policy fresh: a `cost` policy starts from the cached
+    step-cost calibration and learns acceptance from scratch)."""
+    base, with_lookup, _ = split_method(method)
+    return Engine(
+        target,
+        drafter if base != "ar" else None,
+        make_policy("fixed" if is_tree(base) else base, head, target, drafter),
+        eos,
+        max_batch=concurrency,
+        token_budget=token_budget,
+        lookup=lookup[0] if with_lookup else 0,
+        lookup_min=lookup[1],
+        tree=int(base[4:]) if is_tree(base) else 0,
+    )
+
+
 def run_engine(
     method: str,
     target,
@@ -96,18 +116,8 @@ def run_engine(
     lookup: tuple[int, int] = (4, 2),
 ) -> dict:
     """`lookup`: (longest chain, shortest n-gram match) for `-lookup` methods."""
-    base, with_lookup, full_vocab = split_method(method)
-    engine = Engine(
-        target,
-        drafter if base != "ar" else None,
-        make_policy("fixed" if is_tree(base) else base, head, target, drafter),
-        eos,
-        max_batch=concurrency,
-        token_budget=token_budget,
-        lookup=lookup[0] if with_lookup else 0,
-        lookup_min=lookup[1],
-        tree=int(base[4:]) if is_tree(base) else 0,
-    )
+    full_vocab = split_method(method)[2]
+    engine = make_engine(method, target, drafter, head, concurrency, eos, token_budget, lookup)
     reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
     vocab = drafter.vocab if drafter is not None else None
     if full_vocab:
@@ -264,10 +274,12 @@ def bench(
     repeats: int = 1,
     lookup: tuple[int, int] = (4, 2),
     vllm: dict | None = None,
+    on_cell: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
     prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable.
-    `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`."""
+    `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`.
+    `on_cell(rows so far)` after every cell (the CLI writes the partial results: a long grid cut short keeps them)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     rows = []
@@ -322,8 +334,113 @@ def bench(
         best = max((x["tokens_per_s"] for x in cell if is_peer(x["method"])), default=None)
         for x in cell:
             x["vs_best_peer"] = x["tokens_per_s"] / best if best else None
+        if on_cell is not None:
+            on_cell(rows)
     bar.close()
     return rows
+
+
+def shift_bench(
+    target,
+    drafter,
+    head,
+    before: list[BenchPrompt],
+    after: list[BenchPrompt],
+    methods: list[str],
+    concurrency: int,
+    max_new: int,
+    eos: list[int],
+    token_budget: int,
+    round_size: int,
+    rounds: tuple[int, int] = (2, 4),
+    lookup: tuple[int, int] = (4, 2),
+) -> list[dict]:
+    """A domain shift served live: `rounds[0]` rounds of `round_size` requests from `before`, then
+    `rounds[1]` rounds from `after`, each method on ONE engine for the whole traffic (its policy keeps
+    what it learnt, as a server's does; the drafter never changes), methods interleaved per round in an
+    order rotated per round. -> one row per method and round: tok/s, tau, the share of undrafted rounds
+    (verify length 1) and the ratio to `ar` in the same round."""
+    need = {"before": rounds[0] * round_size, "after": rounds[1] * round_size}
+    short = [f"{k}: {need[k]} needed, {len(v)} given" for k, v in (("before", before), ("after", after)) if len(v) < need[k]]
+    if short:
+        raise ValueError(f"too few prompts for the shift's rounds ({'; '.join(short)})")
+    engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
+    plan = [(before, i, None) for i in range(rounds[0])] + [(after, i, i + 1) for i in range(rounds[1])]
+    rows = []
+    for r, (prompts, i, since) in enumerate(tqdm(plan, desc="shift", unit="round")):
+        chunk = prompts[i * round_size : (i + 1) * round_size]
+        k = r % len(methods)
+        here = {}
+        for m in methods[k:] + methods[:k]:
+            t0 = time.perf_counter()
+            states = engines[m].run([Request(f"{m}-r{r}-{j}", p.ids, max_new) for j, p in enumerate(chunk)])
+            wall = time.perf_counter() - t0
+            tokens, n_rounds = sum(len(s.out) for s in states), sum(len(s.rounds) for s in states)
+            here[m] = {
+                "method": m,
+                "round": r + 1,
+                "domain": chunk[0].domain,
+                "after_shift": since,
+                "tokens_per_s": tokens / wall,
+                "committed_tokens": tokens,
+                "tau": (tokens - len(states)) / max(1, n_rounds),
+                "undrafted_rounds": sum(rd.verify_len == 1 for s in states for rd in s.rounds) / max(1, n_rounds),
+            }
+        for m in methods:
+            here[m]["speedup_vs_ar"] = here[m]["tokens_per_s"] / here["ar"]["tokens_per_s"] if "ar" in here else None
+            rows.append(here[m])
+    return rows
+
+
+def shift_markdown(rows: list[dict], meta: dict) -> str:
+    """Per round: every method's tok/s, its ratio to plain decoding and its share of undrafted rounds."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {meta['machine']}; concurrency {meta['concurrency']}, {meta['round_size']} requests a round, "
+        f"max_new_tokens {meta['max_new_tokens']}; one engine per method for the whole traffic, the drafter unchanged.",
+        "",
+        "| round | domain | after the shift | " + " | ".join(f"{m} tok/s (vs ar, undrafted)" for m in methods) + " |",
+        "|---|---|---|" + "---|" * len(methods),
+    ]
+    for rnd in dict.fromkeys(r["round"] for r in rows):
+        here = {r["method"]: r for r in rows if r["round"] == rnd}
+        first = next(iter(here.values()))
+        cells = [
+            f"{r['tokens_per_s']:.1f} ({'-' if r['speedup_vs_ar'] is None else format(r['speedup_vs_ar'], '.2f')}x, "
+            f"{100 * r['undrafted_rounds']:.0f}%)"
+            for r in (here[m] for m in methods)
+        ]
+        lines.append(f"| {rnd} | {first['domain']} | {first['after_shift'] or '-'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_shift(rows: list[dict], path: Path) -> Path:
+    from adaflash.pipelines.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["round"], r["speedup_vs_ar"]) for r in rows if r["method"] == m and r["speedup_vs_ar"] is not None]
+        ax.plot(*zip(*pts), marker="o", label=m)
+    first_after = min((r["round"] for r in rows if r["after_shift"]), default=None)
+    if first_after is not None:
+        ax.axvline(first_after - 0.5, color="gray", ls="--", lw=1)
+        ax.text(first_after - 0.45, ax.get_ylim()[1], " shift", va="top", color="gray")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("round of serving")
+    ax.set_ylabel("tokens/s vs plain decoding, same round")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(plt, fig, path)
+
+
+def write_shift(rows: list[dict], meta: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shift.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (out / "shift.md").write_text(shift_markdown(rows, meta))
+    plot_shift(rows, out / "shift.png")
 
 
 def limits_text(rows: list[dict]) -> str:
@@ -392,6 +509,36 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def plot_by_domain(rows: list[dict], path: Path) -> Path:
+    """Throughput vs concurrency per method, one panel per domain (plain decoding dashed black)."""
+    from adaflash.pipelines.plots import _pyplot
+
+    plt = _pyplot()
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cols = min(3, len(domains))
+    n_rows = -(-len(domains) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.4 * n_rows), squeeze=False)
+    for ax, d in zip(axes.flat, domains):
+        for m in methods:
+            pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in rows if r["domain"] == d and r["method"] == m)
+            style = {"color": "black", "ls": "--"} if m == "ar" else {"lw": 2.2} if split_method(m)[0] == "cost" else {}
+            ax.plot(*zip(*pts), marker="o", ms=3, label=m, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_title(d)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("tokens/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(domains) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(methods), 6), fontsize=8, bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(methods) > 6), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     from adaflash.pipelines.plots import _pyplot
 
@@ -411,6 +558,7 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend()
     paths.append(_save(plt, fig, out / "throughput.png"))
+    paths.append(plot_by_domain(rows, out / "throughput_by_domain.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     drafting = [r["method"] for r in rows if any(y is not None for y in r.get("accept_by_position") or [])]
@@ -441,9 +589,11 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def write_bench(rows: list[dict], meta: dict, out: Path) -> None:
+def write_bench(rows: list[dict], meta: dict, out: Path, plots: bool = True) -> None:
+    """results.json and report.md, and the plots unless `plots` is False (partial results after a cell)."""
     out.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k not in ("head_pred", "head_true", "outputs")} for r in rows]
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": slim}, indent=2) + "\n")
     (out / "report.md").write_text(report_markdown(rows, meta))
-    plot_bench(rows, out)
+    if plots:
+        plot_bench(rows, out)
