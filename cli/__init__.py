@@ -205,6 +205,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.lookup_len < 1 or not 1 <= args.lookup_min_ngram <= 3:
         raise UsageError(f"--lookup-len must be >= 1 (got {args.lookup_len}) and --lookup-min-ngram 1..3 (got {args.lookup_min_ngram})")
+    if args.interleave and any(split_method(m)[2] or is_vllm(m) for m in methods):
+        raise UsageError(
+            "--interleave runs engine methods side by side: not with -fullvocab (it switches the shared drafter) or vllm peers"
+        )
     shift = _shift_args(args, methods, concurrency)
     target = load_target(args.target, args.dtype)
     drafter, head = load_drafter_and_head(args.drafter, target, args.drafter_dtype)
@@ -229,6 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "lookup_len": args.lookup_len,
         "lookup_min_ngram": args.lookup_min_ngram,
+        "interleave": args.interleave,
     }
     if shift:
         from adaflash.pipelines.bench import shift_bench, write_shift
@@ -275,6 +280,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         (args.lookup_len, args.lookup_min_ngram),
         vllm,
         on_cell=lambda done: write_bench(done, meta, Path(args.out), plots=False),
+        interleave=args.interleave,
     )
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
@@ -500,6 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(writes shift.md, shift.json, shift.png; one --concurrency, ar among --methods)",
     )
     b.add_argument("--shift-rounds", default="2,4", help="--shift: rounds before,after the shift")
+    b.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run a cell's engine methods in lockstep, one engine step each in turn, each timed over its own steps "
+        "(load from other processes then hits every method alike; --shift always does)",
+    )
     _add_prompt_args(b, "eval", 8)
     b.set_defaults(func=cmd_bench)
 

@@ -130,6 +130,57 @@ def run_engine(
         if full_vocab:
             drafter.set_vocab(vocab)
             prepack(drafter.draft_head)  # packed outside the timed runs
+    return engine_row(engine, states, wall, drafter.block_size if drafter is not None else 1)
+
+
+def run_interleaved(
+    methods: list[str],
+    target,
+    drafter,
+    head,
+    prompts: list[BenchPrompt],
+    concurrency: int,
+    max_new: int,
+    eos: list[int],
+    token_budget: int,
+    lookup: tuple[int, int] = (4, 2),
+) -> dict[str, dict]:
+    """Engine methods in lockstep: every method gets the same prompts on its own engine, and the engines
+    take one step each in turn until all are done; a method's time is the sum of its own steps. Load
+    from other processes then lands on every method alike at the scale of one step, where separate
+    runs each meet a different stretch of it. Per-request latencies are left out (a request's wall
+    time here includes the other methods' steps)."""
+    engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
+    states, wall = lockstep(engines, {m: [Request(f"{m}-{i}", p.ids, max_new) for i, p in enumerate(prompts)] for m in methods})
+    k_blk = drafter.block_size if drafter is not None else 1
+    no_latency = {"latency_per_token_p50": None, "latency_per_token_p95": None}
+    return {m: engine_row(engines[m], states[m], wall[m], k_blk) | no_latency for m in methods}
+
+
+def lockstep(engines: dict[str, Engine], requests: dict[str, list[Request]]) -> tuple[dict[str, list], dict[str, float]]:
+    """Each engine serves its requests, the engines taking one step each in turn (the first engine
+    first) until all are idle. -> per engine its finished states in submission order, and the seconds
+    of its own steps."""
+    for m, e in engines.items():
+        for r in requests[m]:
+            e.submit(r)
+    states: dict[str, list] = {m: [] for m in engines}
+    wall = dict.fromkeys(engines, 0.0)
+    live = [m for m in engines if not engines[m].idle]
+    while live:
+        for m in live:
+            t0 = time.perf_counter()
+            states[m] += engines[m].step()
+            wall[m] += time.perf_counter() - t0
+        live = [m for m in live if not engines[m].idle]
+    for m in engines:
+        order = {r.request_id: i for i, r in enumerate(requests[m])}
+        states[m].sort(key=lambda st: order[st.req.request_id])
+    return states, wall
+
+
+def engine_row(engine: Engine, states: list, wall: float, k_blk: int) -> dict:
+    """A bench row's measurements from an engine's finished requests and the seconds they took."""
     tokens = sum(len(s.out) for s in states)
     rounds = sum(len(s.rounds) for s in states)
     per_tok = [(s.t_done - s.t_start) / len(s.out) for s in states]
@@ -142,7 +193,7 @@ def run_engine(
                 accepted[j] += j < r.accepted
             if r.pred == r.pred:  # a head prediction was made
                 pred_rate.append(r.pred)
-                true_rate.append(min(1.0, (r.accepted + 1) / drafter.block_size))
+                true_rate.append(min(1.0, (r.accepted + 1) / k_blk))
     return {
         "tokens_per_s": tokens / wall,
         "tau": (tokens - len(states)) / max(1, rounds),
@@ -275,11 +326,13 @@ def bench(
     lookup: tuple[int, int] = (4, 2),
     vllm: dict | None = None,
     on_cell: Callable[[list[dict]], None] | None = None,
+    interleave: bool = False,
 ) -> list[dict]:
     """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
     prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable.
     `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`.
-    `on_cell(rows so far)` after every cell (the CLI writes the partial results: a long grid cut short keeps them)."""
+    `on_cell(rows so far)` after every cell (the CLI writes the partial results: a long grid cut short keeps them).
+    `interleave`: the engine methods of a cell run in lockstep, one step each in turn (`run_interleaved`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     rows = []
@@ -302,6 +355,16 @@ def bench(
         for rep in range(repeats):
             k = (ci + rep) % max(1, len(methods_here))
             order = methods_here[k:] + methods_here[:k]  # rotate per cell and repeat: noise hits all alike
+            if interleave:  # the engine methods in lockstep, the transformers peers on their own after
+                lockstep = [m for m in order if m not in HF_METHODS]
+                bar.set_postfix(domain=domain, concurrency=conc, method="interleaved", repeat=rep + 1)
+                step_runs = run_interleaved(
+                    lockstep, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget, lookup
+                )
+                for m in lockstep:
+                    runs.setdefault(m, []).append(step_runs[m])
+                bar.update(len(lockstep))
+                order = [m for m in order if m in HF_METHODS]
             for m in [m for m in order if not (m == "hf-pld" and conc > 1)]:  # transformers' PLD is batch-1 only
                 bar.set_postfix(domain=domain, concurrency=conc, method=m, repeat=rep + 1)
                 if m in HF_METHODS:
@@ -357,8 +420,8 @@ def shift_bench(
 ) -> list[dict]:
     """A domain shift served live: `rounds[0]` rounds of `round_size` requests from `before`, then
     `rounds[1]` rounds from `after`, each method on ONE engine for the whole traffic (its policy keeps
-    what it learnt, as a server's does; the drafter never changes), methods interleaved per round in an
-    order rotated per round. -> one row per method and round: tok/s, tau, the share of undrafted rounds
+    what it learnt, as a server's does; the drafter never changes), the methods of a round in lockstep
+    (`lockstep`, the first one rotated per round). -> one row per method and round: tok/s, tau, the share of undrafted rounds
     (verify length 1) and the ratio to `ar` in the same round."""
     need = {"before": rounds[0] * round_size, "after": rounds[1] * round_size}
     short = [f"{k}: {need[k]} needed, {len(v)} given" for k, v in (("before", before), ("after", after)) if len(v) < need[k]]
@@ -371,10 +434,12 @@ def shift_bench(
         chunk = prompts[i * round_size : (i + 1) * round_size]
         k = r % len(methods)
         here = {}
-        for m in methods[k:] + methods[:k]:
-            t0 = time.perf_counter()
-            states = engines[m].run([Request(f"{m}-r{r}-{j}", p.ids, max_new) for j, p in enumerate(chunk)])
-            wall = time.perf_counter() - t0
+        order = methods[k:] + methods[:k]
+        done, walls = lockstep(
+            {m: engines[m] for m in order}, {m: [Request(f"{m}-r{r}-{j}", p.ids, max_new) for j, p in enumerate(chunk)] for m in order}
+        )
+        for m in order:
+            states, wall = done[m], walls[m]
             tokens, n_rounds = sum(len(s.out) for s in states), sum(len(s.rounds) for s in states)
             here[m] = {
                 "method": m,
@@ -460,7 +525,8 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
         "",
         f"Machine: {meta['machine']}{limits_text(rows)}; max_new_tokens {meta['max_new_tokens']}; "
         f"token budget {meta['token_budget']}"
-        + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else ""),
+        + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else "")
+        + ("; engine methods in lockstep (one step each in turn, tok/s over each method's own steps)" if meta.get("interleave") else ""),
         "",
         "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | of limit | tau | verify tok/step | max step tok "
         "| p50 ms/tok | p95 ms/tok | requests | undrafted rounds | peak RSS MiB |",

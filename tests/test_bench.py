@@ -221,3 +221,22 @@ def test_bench_prompts_per_domain_split(tmp_path):
     args.domains = "code"  # code has no eval prompts
     with pytest.raises(UsageError):
         _bench_prompts(args, Tok())
+
+
+def test_bench_interleave_runs_methods_in_lockstep(tiny_hf_dir, tiny_drafter_dir, tmp_path, monkeypatch):
+    """`--interleave`: a cell's engine methods step in turn on their own engines; rows as usual (same
+    greedy tokens, ratios to ar) without per-request latencies; -fullvocab is refused with it."""
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?", "domain": "math"}) + "\n" for i in range(4)))
+    common = ["bench", "--target", str(tiny_hf_dir), "--drafter", str(tiny_drafter_dir), "--prompts-file", str(prompts)]
+    common += ["--max-new-tokens", "8", "--concurrency", "1,2", "--min-requests", "2", "--out", str(tmp_path / "b"), "--interleave"]
+    assert main([*common, "--methods", "ar,fixed2,cost,cost-lookup"]) == 0
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["meta"]["interleave"] and len(res["rows"]) == 8
+    for c in (1, 2):
+        here = {r["method"]: r for r in res["rows"] if r["concurrency"] == c}
+        assert len({r["committed_tokens"] for r in here.values()}) == 1 and here["ar"]["speedup_vs_ar"] == 1.0
+        assert all(r["latency_per_token_p50"] is None and r["tokens_per_s"] > 0 for r in here.values())
+    assert "in lockstep" in (tmp_path / "b" / "report.md").read_text()
+    assert main([*common, "--methods", "ar,fixed2-fullvocab"]) == 2
