@@ -29,6 +29,7 @@ repeat, and a single run's ratio moved by 10-20% at concurrency 32 on two cores)
 from __future__ import annotations
 
 import json
+import random
 import resource
 import statistics
 import time
@@ -157,10 +158,13 @@ def run_interleaved(
     return {m: engine_row(engines[m], states[m], wall[m], k_blk) | no_latency for m in methods}
 
 
-def lockstep(engines: dict[str, Engine], requests: dict[str, list[Request]]) -> tuple[dict[str, list], dict[str, float]]:
-    """Each engine serves its requests, the engines taking one step each in turn (the first engine
-    first) until all are idle. -> per engine its finished states in submission order, and the seconds
-    of its own steps."""
+def lockstep(engines: dict[str, Engine], requests: dict[str, list[Request]], seed: int = 0) -> tuple[dict[str, list], dict[str, float]]:
+    """Each engine serves its requests, the engines taking one step each in turn, in an order shuffled
+    every turn (seeded), until all are idle: in a fixed cyclic order one method always follows the same
+    one and inherits whatever that one leaves behind (allocator state, caches); shuffled, every method
+    follows every other alike. -> per engine its finished states in submission order,
+    and the seconds of its own steps."""
+    rng = random.Random(seed)
     for m, e in engines.items():
         for r in requests[m]:
             e.submit(r)
@@ -168,7 +172,7 @@ def lockstep(engines: dict[str, Engine], requests: dict[str, list[Request]]) -> 
     wall = dict.fromkeys(engines, 0.0)
     live = [m for m in engines if not engines[m].idle]
     while live:
-        for m in live:
+        for m in rng.sample(live, len(live)):
             t0 = time.perf_counter()
             states[m] += engines[m].step()
             wall[m] += time.perf_counter() - t0
