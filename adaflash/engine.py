@@ -7,7 +7,8 @@ verify-length policy choose how many tokens each request verifies (before drafti
 also leave a request undrafted for the step: `VerifyPolicy.select`, the cost policy's plain-decoding
 fallback), verifies all of them in ONE packed target forward (ragged: no padding to the longest),
 commits accepted + 1 per request and retires finished requests. Requests join and leave between steps. Greedy output equals
-single-request output; sampling is lossless.
+single-request output; sampling is lossless. A request's drafter cache takes the target features of its
+new text only when it drafts next (`_extend_context`), so a step where it does not draft costs no drafter work.
 
 Token trees (`tree` N > 0, greedy requests only): a request verifies the N most likely paths through
 its drafter's block (spec.build_tree) as a token tree in the same packed forward (each node attends to
@@ -83,6 +84,7 @@ class RequestState:
     tcache: KVCache | None  # None before admission and once retired
     dcache: KVCache | None
     gen: torch.Generator
+    context: list[torch.Tensor] = field(default_factory=list)  # target features [n, n*H] not yet in dcache
     admitted: bool = False  # prefilled (got a first token); stays True after the caches are released
     out: list[int] = field(default_factory=list)
     rounds: list[Round] = field(default_factory=list)
@@ -384,9 +386,9 @@ class Engine:
         logits, feats = self.target.forward_packed(
             [torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new], logits_last_only=True
         )
-        if self.policy.drafts:
-            self.slot.drafter.extend_many(feats, [s.dcache for s in new])
-        for st, lg in zip(new, logits):
+        for st, lg, ft in zip(new, logits, feats):
+            if self.policy.drafts:
+                st.context.append(ft)
             st.t_first = time.perf_counter()
             self._commit(st, [int(pick(lg[-1], st.req.temperature, st.gen))])
         return new
@@ -419,6 +421,7 @@ class Engine:
         for s in done:
             s.t_done = time.perf_counter()
             s.tcache = s.dcache = None
+            s.context = []
         self.running = [s for s in self.running if s.finish_reason is None]
         self.stats["steps"] += 1
         return done
@@ -462,9 +465,9 @@ class Engine:
         self.stats["verify_tokens"] += tokens
         self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], tokens)
         new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
-        if self.policy.drafts:
-            for slot, idx in self._groups(plans, range(len(plans))):  # every request's context grows
-                slot.drafter.extend_many([new_feats[i] for i in idx], [plans[i].st.dcache for i in idx])
+        if self.policy.drafts:  # the drafter reads them when this request drafts next (_draft)
+            for p, ft in zip(plans, new_feats):
+                p.st.context.append(ft)
         chains = [p for p in plans if p.kind == "draft"]
         self.policy.observe([p.st for p in chains], [p.st.rounds[-1].accepted for p in chains])
 
@@ -499,6 +502,7 @@ class Engine:
             for slot, idx in self._groups(plans, [i for i, p in enumerate(plans) if p.kind == kind]):
                 t0 = self._clock()
                 group = [plans[i] for i in idx]
+                self._extend_context(slot, [p.st for p in group])
                 length = self.k_blk if kind == "tree" else self.policy.draft_len(self.k_blk, slot.head)
                 last = torch.tensor([p.st.out[-1] for p in group], device=dev)
                 hidden = slot.drafter.draft_many([p.st.dcache for p in group], last, length)  # [r, L, H]
@@ -516,6 +520,17 @@ class Engine:
                     r, secs = (timing[0], timing[2]) if timing else (0, 0.0)
                     timing = (r + len(group), length, secs + self._clock() - t0)
         return timing
+
+    @staticmethod
+    def _extend_context(slot: DrafterSlot, states: list[RequestState]) -> None:
+        """Extend the drafter caches of requests about to draft with the features their text gained
+        since they last drafted, in one packed call: a request that does not draft (plain decoding
+        chosen by the policy, a prompt-lookup round) costs the drafter nothing that step."""
+        todo = [s for s in states if s.context]
+        if todo:
+            slot.drafter.extend_many([torch.cat(s.context) if len(s.context) > 1 else s.context[0] for s in todo], [s.dcache for s in todo])
+            for s in todo:
+                s.context = []
 
     def _propose(self, plans: list[_Plan]) -> None:
         """Each request's tokens to verify: its lookup chain; drafts from its drafter's logits at the

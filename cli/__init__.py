@@ -129,27 +129,57 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def _bench_prompts(args, target) -> dict:
-    """Prompts per domain for bench / fit-head: eval (or train) split of the built sets, or a JSONL file."""
+    """Prompts per domain for bench / fit-head / policy-eval: a split of the built sets (`--split`, or per
+    domain as `name:split`, e.g. `code:train` for the train-only domain), or a JSONL file."""
     from adaflash.pipelines.bench import BenchPrompt
-    from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
+    from adaflash.pipelines.prompts import available_domains, build_prompt_sets, read_prompts
 
     if getattr(args, "prompts_file", None):
         out: dict[str, list] = {}
         for item in read_prompts_file(Path(args.prompts_file)):
             out.setdefault(item["domain"] or "file", []).append(BenchPrompt(item["domain"] or "file", target.encode_chat(item["messages"])))
         return {d: v[: args.n_prompts] for d, v in out.items()}
-    split = Path(args.prompt_sets) / f"{args.split}.parquet"
-    if not split.exists():
-        build_prompt_sets(Path(args.prompt_sets))
-    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
-    recs = read_prompts(split, domains, args.n_prompts)
+    wanted = [d.strip().partition(":") for d in args.domains.split(",") if d.strip()]
+    bad = [f"{d}:{s}" for d, _, s in wanted if s and s not in ("train", "eval")]
+    if bad:
+        raise UsageError(f"--domains: {bad}: the split after ':' is train or eval")
+    splits = {d: s or args.split for d, _, s in wanted}
     out = {}
-    for r in recs:
-        out.setdefault(r.domain, []).append(BenchPrompt(r.domain, target.encode_chat(r.messages)))
-    missing = [d for d in domains if d not in out]
+    for split in dict.fromkeys(splits.values()):
+        path = Path(args.prompt_sets) / f"{split}.parquet"
+        if not path.exists():
+            build_prompt_sets(Path(args.prompt_sets), available_domains())  # optional domains too, where installed
+        for r in read_prompts(path, [d for d, s in splits.items() if s == split], args.n_prompts):
+            out.setdefault(r.domain, []).append(BenchPrompt(r.domain, target.encode_chat(r.messages)))
+    missing = [f"{d}:{s}" for d, s in splits.items() if d not in out]
     if missing:
-        raise UsageError(f"no {args.split} prompts for domain(s) {missing} in {split}")
-    return out
+        raise UsageError(
+            f"no prompts for {missing} in {args.prompt_sets} (an optional domain needs its package installed before the sets are built)"
+        )
+    return {d: out[d] for d in splits}
+
+
+def _shift_args(args: argparse.Namespace, methods: list[str], concurrency: list[int]) -> tuple[int, int] | None:
+    """`bench --shift FROM,TO`: checks it (and sets --domains to the two) -> (rounds before, rounds after),
+    or None without --shift. With --prompts-file, FROM and TO are domains of the file."""
+    from adaflash.pipelines.bench import is_peer
+
+    if not args.shift:
+        return None
+    pair = [d.strip() for d in args.shift.split(",") if d.strip()]
+    try:
+        rounds = tuple(int(x) for x in args.shift_rounds.split(","))
+    except ValueError:
+        rounds = ()
+    if len(pair) != 2 or pair[0].partition(":")[0] == pair[1].partition(":")[0] or len(rounds) != 2 or min(rounds) < 1:
+        raise UsageError(
+            f"--shift takes two different domains FROM,TO and --shift-rounds two counts >= 1 (got {args.shift!r}, {args.shift_rounds!r})"
+        )
+    if len(concurrency) != 1 or "ar" not in methods or any(is_peer(m) for m in methods):
+        raise UsageError("--shift runs one --concurrency, engine methods only, and needs ar among --methods (the per-round ratio)")
+    args.domains = ",".join(pair)
+    args.n_prompts = max(args.n_prompts, max(rounds) * max(args.min_requests, concurrency[0]))
+    return rounds
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -175,6 +205,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.lookup_len < 1 or not 1 <= args.lookup_min_ngram <= 3:
         raise UsageError(f"--lookup-len must be >= 1 (got {args.lookup_len}) and --lookup-min-ngram 1..3 (got {args.lookup_min_ngram})")
+    if args.interleave and any(split_method(m)[2] or is_vllm(m) for m in methods):
+        raise UsageError(
+            "--interleave runs engine methods side by side: not with -fullvocab (it switches the shared drafter) or vllm peers"
+        )
+    shift = _shift_args(args, methods, concurrency)
     target = load_target(args.target, args.dtype)
     drafter, head = load_drafter_and_head(args.drafter, target, args.drafter_dtype)
     if head is None and any(split_method(m)[0] == "head" for m in methods):
@@ -188,6 +223,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
         path = gguf_to_hf_dir(packaged_gguf()) if args.target == "smollm2" else args.target
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.model.dtype).eval()
     prompts = _bench_prompts(args, target)
+    meta = {
+        "command": "adaflash " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
+        "max_new_tokens": args.max_new_tokens,
+        "token_budget": args.token_budget,
+        "target": target.identity,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "lookup_len": args.lookup_len,
+        "lookup_min_ngram": args.lookup_min_ngram,
+        "interleave": args.interleave,
+    }
+    if shift:
+        from adaflash.pipelines.bench import shift_bench, write_shift
+
+        names = [d.partition(":")[0] for d in args.domains.split(",")]
+        if any(n not in prompts for n in names):
+            raise UsageError(f"--shift: no prompts of domain(s) {[n for n in names if n not in prompts]}")
+        before, after = (prompts[n] for n in names)
+        size = max(args.min_requests, concurrency[0])
+        if len(before) < shift[0] * size or len(after) < shift[1] * size:
+            raise UsageError(
+                f"--shift needs {shift[0]} x {size} prompts of {names[0]} (has {len(before)}) "
+                f"and {shift[1]} x {size} of {names[1]} (has {len(after)})"
+            )
+        rows = shift_bench(
+            target.model, drafter, head, before, after, methods, concurrency[0], args.max_new_tokens, target.eos_ids,
+            args.token_budget, size, shift, (args.lookup_len, args.lookup_min_ngram),
+        )  # fmt: skip
+        write_shift(rows, {**meta, "concurrency": concurrency[0], "round_size": size}, Path(args.out))
+        print((Path(args.out) / "shift.md").read_text())
+        return 0
     vllm = None
     if any(is_vllm(m) for m in methods):
         from adaflash.dflash_format import vllm_python
@@ -212,18 +279,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.repeats,
         (args.lookup_len, args.lookup_min_ngram),
         vllm,
+        on_cell=lambda done: write_bench(done, meta, Path(args.out), plots=False),
+        interleave=args.interleave,
     )
-    meta = {
-        "command": "adaflash " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
-        "max_new_tokens": args.max_new_tokens,
-        "token_budget": args.token_budget,
-        "target": target.identity,
-        "dtype": args.dtype,
-        "repeats": args.repeats,
-        "lookup_len": args.lookup_len,
-        "lookup_min_ngram": args.lookup_min_ngram,
-    }
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
     return 0
@@ -304,7 +362,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _add_prompt_args(p: argparse.ArgumentParser, split: str, n: int) -> None:
-    p.add_argument("--domains", default="gsm8k,humaneval,aime", help="comma-separated prompt domains")
+    p.add_argument(
+        "--domains", default="gsm8k,humaneval,aime", help="comma-separated prompt domains, each optionally as name:split (code:train)"
+    )
     p.add_argument("--prompts-file", help="JSONL prompts instead of the built prompt sets (adaflash generate format)")
     p.add_argument("--prompt-sets", default="runs/pretrain-smollm2/prompts", help="folder of train/eval.parquet (built if missing)")
     p.add_argument("--split", default=split, choices=["train", "eval"])
@@ -438,6 +498,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="runs per method and cell, order rotated each time; rows report the median (3 steadies ratios on a noisy machine)",
+    )
+    b.add_argument(
+        "--shift",
+        help="FROM,TO domains (name or name:split): serve FROM's traffic, then TO's, in rounds of max(--min-requests, "
+        "concurrency) requests on one engine per method (policies keep what they learnt); per round tok/s vs ar "
+        "(writes shift.md, shift.json, shift.png; one --concurrency, ar among --methods)",
+    )
+    b.add_argument("--shift-rounds", default="2,4", help="--shift: rounds before,after the shift")
+    b.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run a cell's engine methods in lockstep, one engine step each in turn, each timed over its own steps "
+        "(load from other processes then hits every method alike; --shift always does)",
     )
     _add_prompt_args(b, "eval", 8)
     b.set_defaults(func=cmd_bench)

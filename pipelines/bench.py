@@ -29,11 +29,13 @@ repeat, and a single run's ratio moved by 10-20% at concurrency 32 on two cores)
 from __future__ import annotations
 
 import json
+import random
 import resource
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -83,6 +85,25 @@ class BenchPrompt:
     ids: list[int]
 
 
+def make_engine(
+    method: str, target, drafter, head, concurrency: int, eos: list[int], token_budget: int, lookup: tuple[int, int] = (4, 2)
+) -> Engine:
+    """The engine an engine method runs on (its verify policy fresh: a `cost` policy starts from the cached
+    step-cost calibration and learns acceptance from scratch)."""
+    base, with_lookup, _ = split_method(method)
+    return Engine(
+        target,
+        drafter if base != "ar" else None,
+        make_policy("fixed" if is_tree(base) else base, head, target, drafter),
+        eos,
+        max_batch=concurrency,
+        token_budget=token_budget,
+        lookup=lookup[0] if with_lookup else 0,
+        lookup_min=lookup[1],
+        tree=int(base[4:]) if is_tree(base) else 0,
+    )
+
+
 def run_engine(
     method: str,
     target,
@@ -96,18 +117,8 @@ def run_engine(
     lookup: tuple[int, int] = (4, 2),
 ) -> dict:
     """`lookup`: (longest chain, shortest n-gram match) for `-lookup` methods."""
-    base, with_lookup, full_vocab = split_method(method)
-    engine = Engine(
-        target,
-        drafter if base != "ar" else None,
-        make_policy("fixed" if is_tree(base) else base, head, target, drafter),
-        eos,
-        max_batch=concurrency,
-        token_budget=token_budget,
-        lookup=lookup[0] if with_lookup else 0,
-        lookup_min=lookup[1],
-        tree=int(base[4:]) if is_tree(base) else 0,
-    )
+    full_vocab = split_method(method)[2]
+    engine = make_engine(method, target, drafter, head, concurrency, eos, token_budget, lookup)
     reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
     vocab = drafter.vocab if drafter is not None else None
     if full_vocab:
@@ -120,6 +131,60 @@ def run_engine(
         if full_vocab:
             drafter.set_vocab(vocab)
             prepack(drafter.draft_head)  # packed outside the timed runs
+    return engine_row(engine, states, wall, drafter.block_size if drafter is not None else 1)
+
+
+def run_interleaved(
+    methods: list[str],
+    target,
+    drafter,
+    head,
+    prompts: list[BenchPrompt],
+    concurrency: int,
+    max_new: int,
+    eos: list[int],
+    token_budget: int,
+    lookup: tuple[int, int] = (4, 2),
+) -> dict[str, dict]:
+    """Engine methods in lockstep: every method gets the same prompts on its own engine, and the engines
+    take one step each in turn until all are done; a method's time is the sum of its own steps. Load
+    from other processes then lands on every method alike at the scale of one step, where separate
+    runs each meet a different stretch of it. Per-request latencies are left out (a request's wall
+    time here includes the other methods' steps)."""
+    engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
+    states, wall = lockstep(engines, {m: [Request(f"{m}-{i}", p.ids, max_new) for i, p in enumerate(prompts)] for m in methods})
+    k_blk = drafter.block_size if drafter is not None else 1
+    no_latency = {"latency_per_token_p50": None, "latency_per_token_p95": None}
+    return {m: engine_row(engines[m], states[m], wall[m], k_blk) | no_latency for m in methods}
+
+
+def lockstep(engines: dict[str, Engine], requests: dict[str, list[Request]], seed: int = 0) -> tuple[dict[str, list], dict[str, float]]:
+    """Each engine serves its requests, the engines taking one step each in turn, in an order shuffled
+    every turn (seeded), until all are idle: in a fixed cyclic order one method always follows the same
+    one and inherits whatever that one leaves behind (allocator state, caches); shuffled, every method
+    follows every other alike. -> per engine its finished states in submission order,
+    and the seconds of its own steps."""
+    rng = random.Random(seed)
+    for m, e in engines.items():
+        for r in requests[m]:
+            e.submit(r)
+    states: dict[str, list] = {m: [] for m in engines}
+    wall = dict.fromkeys(engines, 0.0)
+    live = [m for m in engines if not engines[m].idle]
+    while live:
+        for m in rng.sample(live, len(live)):
+            t0 = time.perf_counter()
+            states[m] += engines[m].step()
+            wall[m] += time.perf_counter() - t0
+        live = [m for m in live if not engines[m].idle]
+    for m in engines:
+        order = {r.request_id: i for i, r in enumerate(requests[m])}
+        states[m].sort(key=lambda st: order[st.req.request_id])
+    return states, wall
+
+
+def engine_row(engine: Engine, states: list, wall: float, k_blk: int) -> dict:
+    """A bench row's measurements from an engine's finished requests and the seconds they took."""
     tokens = sum(len(s.out) for s in states)
     rounds = sum(len(s.rounds) for s in states)
     per_tok = [(s.t_done - s.t_start) / len(s.out) for s in states]
@@ -132,7 +197,7 @@ def run_engine(
                 accepted[j] += j < r.accepted
             if r.pred == r.pred:  # a head prediction was made
                 pred_rate.append(r.pred)
-                true_rate.append(min(1.0, (r.accepted + 1) / drafter.block_size))
+                true_rate.append(min(1.0, (r.accepted + 1) / k_blk))
     return {
         "tokens_per_s": tokens / wall,
         "tau": (tokens - len(states)) / max(1, rounds),
@@ -264,10 +329,14 @@ def bench(
     repeats: int = 1,
     lookup: tuple[int, int] = (4, 2),
     vllm: dict | None = None,
+    on_cell: Callable[[list[dict]], None] | None = None,
+    interleave: bool = False,
 ) -> list[dict]:
     """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
     prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable.
-    `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`."""
+    `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`.
+    `on_cell(rows so far)` after every cell (the CLI writes the partial results: a long grid cut short keeps them).
+    `interleave`: the engine methods of a cell run in lockstep, one step each in turn (`run_interleaved`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     rows = []
@@ -290,6 +359,16 @@ def bench(
         for rep in range(repeats):
             k = (ci + rep) % max(1, len(methods_here))
             order = methods_here[k:] + methods_here[:k]  # rotate per cell and repeat: noise hits all alike
+            if interleave:  # the engine methods in lockstep, the transformers peers on their own after
+                lockstep = [m for m in order if m not in HF_METHODS]
+                bar.set_postfix(domain=domain, concurrency=conc, method="interleaved", repeat=rep + 1)
+                step_runs = run_interleaved(
+                    lockstep, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget, lookup
+                )
+                for m in lockstep:
+                    runs.setdefault(m, []).append(step_runs[m])
+                bar.update(len(lockstep))
+                order = [m for m in order if m in HF_METHODS]
             for m in [m for m in order if not (m == "hf-pld" and conc > 1)]:  # transformers' PLD is batch-1 only
                 bar.set_postfix(domain=domain, concurrency=conc, method=m, repeat=rep + 1)
                 if m in HF_METHODS:
@@ -322,8 +401,115 @@ def bench(
         best = max((x["tokens_per_s"] for x in cell if is_peer(x["method"])), default=None)
         for x in cell:
             x["vs_best_peer"] = x["tokens_per_s"] / best if best else None
+        if on_cell is not None:
+            on_cell(rows)
     bar.close()
     return rows
+
+
+def shift_bench(
+    target,
+    drafter,
+    head,
+    before: list[BenchPrompt],
+    after: list[BenchPrompt],
+    methods: list[str],
+    concurrency: int,
+    max_new: int,
+    eos: list[int],
+    token_budget: int,
+    round_size: int,
+    rounds: tuple[int, int] = (2, 4),
+    lookup: tuple[int, int] = (4, 2),
+) -> list[dict]:
+    """A domain shift served live: `rounds[0]` rounds of `round_size` requests from `before`, then
+    `rounds[1]` rounds from `after`, each method on ONE engine for the whole traffic (its policy keeps
+    what it learnt, as a server's does; the drafter never changes), the methods of a round in lockstep
+    (`lockstep`, the first one rotated per round). -> one row per method and round: tok/s, tau, the share of undrafted rounds
+    (verify length 1) and the ratio to `ar` in the same round."""
+    need = {"before": rounds[0] * round_size, "after": rounds[1] * round_size}
+    short = [f"{k}: {need[k]} needed, {len(v)} given" for k, v in (("before", before), ("after", after)) if len(v) < need[k]]
+    if short:
+        raise ValueError(f"too few prompts for the shift's rounds ({'; '.join(short)})")
+    engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
+    plan = [(before, i, None) for i in range(rounds[0])] + [(after, i, i + 1) for i in range(rounds[1])]
+    rows = []
+    for r, (prompts, i, since) in enumerate(tqdm(plan, desc="shift", unit="round")):
+        chunk = prompts[i * round_size : (i + 1) * round_size]
+        k = r % len(methods)
+        here = {}
+        order = methods[k:] + methods[:k]
+        done, walls = lockstep(
+            {m: engines[m] for m in order}, {m: [Request(f"{m}-r{r}-{j}", p.ids, max_new) for j, p in enumerate(chunk)] for m in order}
+        )
+        for m in order:
+            states, wall = done[m], walls[m]
+            tokens, n_rounds = sum(len(s.out) for s in states), sum(len(s.rounds) for s in states)
+            here[m] = {
+                "method": m,
+                "round": r + 1,
+                "domain": chunk[0].domain,
+                "after_shift": since,
+                "tokens_per_s": tokens / wall,
+                "committed_tokens": tokens,
+                "tau": (tokens - len(states)) / max(1, n_rounds),
+                "undrafted_rounds": sum(rd.verify_len == 1 for s in states for rd in s.rounds) / max(1, n_rounds),
+            }
+        for m in methods:
+            here[m]["speedup_vs_ar"] = here[m]["tokens_per_s"] / here["ar"]["tokens_per_s"] if "ar" in here else None
+            rows.append(here[m])
+    return rows
+
+
+def shift_markdown(rows: list[dict], meta: dict) -> str:
+    """Per round: every method's tok/s, its ratio to plain decoding and its share of undrafted rounds."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {meta['machine']}; concurrency {meta['concurrency']}, {meta['round_size']} requests a round, "
+        f"max_new_tokens {meta['max_new_tokens']}; one engine per method for the whole traffic, the drafter unchanged.",
+        "",
+        "| round | domain | after the shift | " + " | ".join(f"{m} tok/s (vs ar, undrafted)" for m in methods) + " |",
+        "|---|---|---|" + "---|" * len(methods),
+    ]
+    for rnd in dict.fromkeys(r["round"] for r in rows):
+        here = {r["method"]: r for r in rows if r["round"] == rnd}
+        first = next(iter(here.values()))
+        cells = [
+            f"{r['tokens_per_s']:.1f} ({'-' if r['speedup_vs_ar'] is None else format(r['speedup_vs_ar'], '.2f')}x, "
+            f"{100 * r['undrafted_rounds']:.0f}%)"
+            for r in (here[m] for m in methods)
+        ]
+        lines.append(f"| {rnd} | {first['domain']} | {first['after_shift'] or '-'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_shift(rows: list[dict], path: Path) -> Path:
+    from adaflash.pipelines.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["round"], r["speedup_vs_ar"]) for r in rows if r["method"] == m and r["speedup_vs_ar"] is not None]
+        ax.plot(*zip(*pts), marker="o", label=m)
+    first_after = min((r["round"] for r in rows if r["after_shift"]), default=None)
+    if first_after is not None:
+        ax.axvline(first_after - 0.5, color="gray", ls="--", lw=1)
+        ax.text(first_after - 0.45, ax.get_ylim()[1], " shift", va="top", color="gray")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("round of serving")
+    ax.set_ylabel("tokens/s vs plain decoding, same round")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(plt, fig, path)
+
+
+def write_shift(rows: list[dict], meta: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shift.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (out / "shift.md").write_text(shift_markdown(rows, meta))
+    plot_shift(rows, out / "shift.png")
 
 
 def limits_text(rows: list[dict]) -> str:
@@ -343,7 +529,8 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
         "",
         f"Machine: {meta['machine']}{limits_text(rows)}; max_new_tokens {meta['max_new_tokens']}; "
         f"token budget {meta['token_budget']}"
-        + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else ""),
+        + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else "")
+        + ("; engine methods in lockstep (one step each in turn, tok/s over each method's own steps)" if meta.get("interleave") else ""),
         "",
         "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | of limit | tau | verify tok/step | max step tok "
         "| p50 ms/tok | p95 ms/tok | requests | undrafted rounds | peak RSS MiB |",
@@ -392,6 +579,36 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def plot_by_domain(rows: list[dict], path: Path) -> Path:
+    """Throughput vs concurrency per method, one panel per domain (plain decoding dashed black)."""
+    from adaflash.pipelines.plots import _pyplot
+
+    plt = _pyplot()
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cols = min(3, len(domains))
+    n_rows = -(-len(domains) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.4 * n_rows), squeeze=False)
+    for ax, d in zip(axes.flat, domains):
+        for m in methods:
+            pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in rows if r["domain"] == d and r["method"] == m)
+            style = {"color": "black", "ls": "--"} if m == "ar" else {"lw": 2.2} if split_method(m)[0] == "cost" else {}
+            ax.plot(*zip(*pts), marker="o", ms=3, label=m, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_title(d)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("tokens/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(domains) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(methods), 6), fontsize=8, bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(methods) > 6), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     from adaflash.pipelines.plots import _pyplot
 
@@ -411,6 +628,7 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend()
     paths.append(_save(plt, fig, out / "throughput.png"))
+    paths.append(plot_by_domain(rows, out / "throughput_by_domain.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     drafting = [r["method"] for r in rows if any(y is not None for y in r.get("accept_by_position") or [])]
@@ -441,9 +659,11 @@ def plot_bench(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def write_bench(rows: list[dict], meta: dict, out: Path) -> None:
+def write_bench(rows: list[dict], meta: dict, out: Path, plots: bool = True) -> None:
+    """results.json and report.md, and the plots unless `plots` is False (partial results after a cell)."""
     out.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k not in ("head_pred", "head_true", "outputs")} for r in rows]
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": slim}, indent=2) + "\n")
     (out / "report.md").write_text(report_markdown(rows, meta))
-    plot_bench(rows, out)
+    if plots:
+        plot_bench(rows, out)

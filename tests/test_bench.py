@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from adaflash.cli import main
 
 
@@ -155,3 +156,87 @@ def test_roofline_costs_count_each_linear_weight_once():
     costs, limits = {"flops_per_token": 2e9, "bytes_per_step": 1e9}, {"gflops": 100.0, "gbps": 10.0}
     assert step_fraction(1, 0.2, costs, limits) == 0.5  # memory-bound: reading 1 GB at 10 GB/s takes 0.1 s
     assert step_fraction(100, 4.0, costs, limits) == 0.5  # compute-bound: 200 GFLOP at 100 GFLOP/s take 2 s
+
+
+def test_bench_shift_serves_two_domains_on_one_engine_per_method(tiny_hf_dir, tiny_drafter_dir, tmp_path, monkeypatch):
+    """`bench --shift FROM,TO`: rounds of FROM's prompts, then TO's, each method on one engine kept across
+    rounds; per round tok/s, the ratio to ar and the share of undrafted rounds, output unchanged."""
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    lines = [{"prompt": f"Question {i}: what is {i} + {i}?", "domain": "math"} for i in range(4)]
+    lines += [{"prompt": f"Write a poem about the number {i}.", "domain": "poems"} for i in range(6)]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    common = ["bench", "--target", str(tiny_hf_dir), "--drafter", str(tiny_drafter_dir), "--prompts-file", str(prompts)]
+    common += ["--max-new-tokens", "8", "--concurrency", "2", "--out", str(tmp_path / "shift")]
+    assert main([*common, "--methods", "ar,cost,fixed2", "--shift", "math,poems", "--shift-rounds", "2,3"]) == 0
+    rows = json.loads((tmp_path / "shift" / "shift.json").read_text())["rows"]
+    assert [(r["round"], r["domain"], r["after_shift"]) for r in rows if r["method"] == "cost"] == [
+        (1, "math", None),
+        (2, "math", None),
+        (3, "poems", 1),
+        (4, "poems", 2),
+        (5, "poems", 3),
+    ]
+    for rnd in range(1, 6):
+        here = {r["method"]: r for r in rows if r["round"] == rnd}
+        assert here["ar"]["speedup_vs_ar"] == 1.0 and len({r["committed_tokens"] for r in here.values()}) == 1
+        assert (
+            here["ar"]["undrafted_rounds"] == 1.0 and here["fixed2"]["undrafted_rounds"] < 0.5
+        )  # 1 only where max_new_tokens leaves no draft
+    assert "| 3 | poems | 1 |" in (tmp_path / "shift" / "shift.md").read_text() and (tmp_path / "shift" / "shift.png").exists()
+    assert main([*common, "--methods", "cost", "--shift", "math,poems"]) == 2  # no ar to compare with
+    assert main([*common, "--methods", "ar,cost", "--shift", "math,math"]) == 2
+    assert main([*common, "--methods", "ar,cost", "--shift", "math,poems", "--shift-rounds", "3,1"]) == 2  # 6 math prompts needed
+
+
+def test_bench_prompts_per_domain_split(tmp_path):
+    """`--domains name:split` reads that domain from its own split of the built prompt sets."""
+    import argparse
+
+    from adaflash.cli import _bench_prompts
+    from adaflash.pipelines.prompts import PromptRecord, _write_parquet
+
+    from adaflash.config import UsageError
+
+    sets = tmp_path / "sets"
+    sets.mkdir()
+    for split, doms in (("train", ("code", "gsm8k")), ("eval", ("gsm8k",))):
+        recs = [
+            PromptRecord(f"{d}/{split}{i}", d, split, [{"role": "user", "content": f"{d} {split} {i}"}], None)
+            for d in doms
+            for i in range(3)
+        ]
+        _write_parquet(recs, sets / f"{split}.parquet")
+
+    class Tok:
+        def encode_chat(self, messages):
+            return [len(messages[0]["content"])]
+
+    args = argparse.Namespace(prompts_file=None, prompt_sets=str(sets), split="eval", n_prompts=2, domains="gsm8k,code:train")
+    out = _bench_prompts(args, Tok())
+    assert list(out) == ["gsm8k", "code"] and [len(v) for v in out.values()] == [2, 2]
+    args.domains = "gsm8k:test"
+    with pytest.raises(UsageError):
+        _bench_prompts(args, Tok())
+    args.domains = "code"  # code has no eval prompts
+    with pytest.raises(UsageError):
+        _bench_prompts(args, Tok())
+
+
+def test_bench_interleave_runs_methods_in_lockstep(tiny_hf_dir, tiny_drafter_dir, tmp_path, monkeypatch):
+    """`--interleave`: a cell's engine methods step in turn on their own engines; rows as usual (same
+    greedy tokens, ratios to ar) without per-request latencies; -fullvocab is refused with it."""
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?", "domain": "math"}) + "\n" for i in range(4)))
+    common = ["bench", "--target", str(tiny_hf_dir), "--drafter", str(tiny_drafter_dir), "--prompts-file", str(prompts)]
+    common += ["--max-new-tokens", "8", "--concurrency", "1,2", "--min-requests", "2", "--out", str(tmp_path / "b"), "--interleave"]
+    assert main([*common, "--methods", "ar,fixed2,cost,cost-lookup"]) == 0
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["meta"]["interleave"] and len(res["rows"]) == 8
+    for c in (1, 2):
+        here = {r["method"]: r for r in res["rows"] if r["concurrency"] == c}
+        assert len({r["committed_tokens"] for r in here.values()}) == 1 and here["ar"]["speedup_vs_ar"] == 1.0
+        assert all(r["latency_per_token_p50"] is None and r["tokens_per_s"] > 0 for r in here.values())
+    assert "in lockstep" in (tmp_path / "b" / "report.md").read_text()
+    assert main([*common, "--methods", "ar,fixed2-fullvocab"]) == 2

@@ -265,3 +265,40 @@ def test_engine_leaves_unselected_requests_undrafted():
     assert any(others[0] > 0 and others[1] > others[0] for _, others in calls)  # lookup chains counted with their tokens
     drafter_rounds = [r for s in states for r in s.rounds if r.source == "drafter"]
     assert sum(r.verify_len == 1 for r in drafter_rounds) >= sum(n // 2 for n, _ in calls)  # the left-out ones
+
+
+def test_undrafted_requests_cost_the_drafter_nothing():
+    """The drafter cache takes a request's new context only when it drafts: with a policy that drafts
+    nobody the drafter is never called, and one that drafts every other step extends each request
+    once per drafting step with everything since; output stays plain decoding's either way."""
+    from adaflash.engine import FixedPolicy
+
+    class Every(FixedPolicy):
+        def __init__(self, period):
+            super().__init__(3)
+            self.period, self.calls = period, 0
+
+        def select(self, states, others=(0, 0)):
+            self.calls += 1
+            return [self.period > 0 and self.calls % self.period == 0] * len(states)
+
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    reqs = requests(4)
+    plain = Engine(target, None, ARPolicy(), eos_ids=[5], max_batch=2).run(reqs)
+    for period in (0, 2):
+        extended, real = [], drafter.extend_many
+
+        def spy(feats, caches, real=real, extended=extended):
+            extended.append([f.shape[0] for f in feats])
+            return real(feats, caches)
+
+        drafter.extend_many = spy
+        states = Engine(target, drafter, Every(period), eos_ids=[5], max_batch=2).run(reqs)
+        drafter.extend_many = real
+        assert [s.out for s in states] == [p.out for p in plain]
+        drafted_steps = sum(r.verify_len > 1 for s in states for r in s.rounds)
+        if period == 0:
+            assert extended == [] and drafted_steps == 0
+        else:
+            assert 0 < len(extended) <= drafted_steps + len(reqs) and any(n > 1 for call in extended for n in call)
