@@ -49,7 +49,8 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert (out / "throughput.png").exists() and (out / "head_pred_vs_true.png").exists()
     report = (out / "report.md").read_text()
     assert "| math | 3 | head |" in report and "| fastest | method | vs ar | vs the best fixed length |" in report
-    assert "| cost | " in report.split("vs the best fixed length |")[1] and list((tmp_path / "cache" / "cost").glob("*.json"))
+    # the calibration's caching is test_policy_cost's (a sweep disturbed by other processes is not kept)
+    assert "| cost | " in report.split("vs the best fixed length |")[1]
     assert main(["bench", *common, "--methods", "warp"]) == 2
     # --min-requests: a cell runs max(min_requests, concurrency) prompts; with a draft vocabulary,
     # `-fullvocab` runs the same method drafting from the whole vocabulary, and both stay lossless
