@@ -117,7 +117,7 @@ def load_pools(prompt_sets: Path | None, split: str, prompts_file: Path | None, 
             pools.setdefault(item["domain"] or "file", []).append(msgs)
         source = str(prompts_file)
     else:
-        from adaflash.pipelines.prompts import available_domains, build_prompt_sets, read_prompts
+        from adaflash.pipelines.prompts import available_domains, build_prompt_sets, load_domain, read_prompts
 
         unknown = sorted(domains - set(available_domains()))
         if unknown:
@@ -128,6 +128,10 @@ def load_pools(prompt_sets: Path | None, split: str, prompts_file: Path | None, 
             build_prompt_sets(prompt_sets)
         for r in read_prompts(path, sorted(domains)):
             pools.setdefault(r.domain, []).append(r.messages)
+        for d in sorted(domains - set(pools)):  # e.g. magpie_* in prompt sets built before it existed
+            for r in load_domain(d):
+                if r.split == split:
+                    pools.setdefault(d, []).append(r.messages)
         source = str(path)
     missing = sorted(domains - set(pools))
     if missing:

@@ -32,6 +32,11 @@ import yaml
 from adaflash.cli.upview import LiveView
 
 
+def _check_threads(n: int | None, key: str) -> None:
+    if n is not None and n < 1:
+        raise ValueError(f"{key} must be >= 1 (or null to inherit OMP_NUM_THREADS), got {n}")
+
+
 @dataclass
 class MlflowSection:
     host: str = "127.0.0.1"
@@ -48,7 +53,11 @@ class ServeProcess:
     config: str = "configs/serve_smollm2.yaml"
     host: str = "127.0.0.1"
     port: int = 8000
+    threads: int | None = None  # OMP_NUM_THREADS of this process (None: inherited); see TrainProcess.threads
     set: dict = field(default_factory=dict)  # dotted key -> value, applied to a copy of `config`
+
+    def __post_init__(self):
+        _check_threads(self.threads, "serve.threads")
 
 
 @dataclass
@@ -57,7 +66,14 @@ class TrainProcess:
 
     config: str = "configs/online_smollm2.yaml"
     settle_s: float = 5.0  # the trainer counts as started once it has stayed up this long
+    # OMP_NUM_THREADS of the trainer (None: inherited, torch then takes every core). Set it when another
+    # process keeps cores busy (vLLM-CPU's worker spins on its core): OpenMP threads that share a core
+    # with a busy process wait at every barrier, which made the trainer's steps 5-20x slower.
+    threads: int | None = None
     set: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        _check_threads(self.threads, "train.threads")
 
 
 @dataclass
@@ -216,8 +232,9 @@ class Up:
         self.restarts: dict[str, int] = {}
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": cfg.tracking_uri}
 
-    def _spawn(self, name: str, *args: str) -> Child:
-        child = Child(name, [sys.executable, "-m", "adaflash.cli", *args], self.logs / f"{name}.log", self.env)
+    def _spawn(self, name: str, *args: str, threads: int | None = None) -> Child:
+        env = self.env if threads is None else {**self.env, "OMP_NUM_THREADS": str(threads)}
+        child = Child(name, [sys.executable, "-m", "adaflash.cli", *args], self.logs / f"{name}.log", env)
         print(f"up: starting {name} (log {child.log})", flush=True)
         child.start()
         self.children.append(child)
@@ -283,10 +300,12 @@ class Up:
         )
         self._wait(boot, lambda: False, "done", exit_ok=True)
         print(f"up: registry ready ({boot.tail(1).strip()})", flush=True)
-        srv = self._spawn("serve", "serve", "--config", str(serve_cfg), "--host", cfg.serve.host, "--port", str(cfg.serve.port))
+        srv = self._spawn(
+            "serve", "serve", "--config", str(serve_cfg), "--host", cfg.serve.host, "--port", str(cfg.serve.port), threads=cfg.serve.threads
+        )
         self._wait(srv, lambda: http_ok(f"{cfg.server_url}/ready"), f"ready at {cfg.server_url}/v1")
         if train_cfg is not None:
-            tr = self._spawn("train", "train", "--config", str(train_cfg))
+            tr = self._spawn("train", "train", "--config", str(train_cfg), threads=cfg.train.threads)
             settle = time.monotonic() + cfg.train.settle_s
             self._wait(tr, lambda: time.monotonic() > settle, "running")
         if cfg.loadgen is not None:

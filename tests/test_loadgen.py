@@ -14,7 +14,7 @@ import pytest
 import requests
 import yaml
 from adaflash.cli import main
-from adaflash.cli.loadgen import Phase, parse_duration, parse_mix, parse_schedule, phase_at
+from adaflash.cli.loadgen import Phase, load_pools, parse_duration, parse_mix, parse_schedule, phase_at
 
 
 def test_mix_and_duration_parsing():
@@ -40,6 +40,16 @@ def test_schedule_parsing_and_phase_lookup():
         parse_schedule("gsm8k, then humaneval")
     with pytest.raises(ValueError):
         parse_schedule("  ")
+
+
+def test_domains_missing_from_built_prompt_sets_come_from_their_loader(tmp_path):
+    """Prompt sets built before the Magpie prompts existed still serve magpie_* traffic, split kept."""
+    from adaflash.pipelines.prompts import build_prompt_sets, load_domain
+
+    build_prompt_sets(tmp_path, ["aime"])
+    pools = load_pools(tmp_path, "train", None, {"magpie_chat"})
+    want = [r.messages for r in load_domain("magpie_chat") if r.split == "train"]
+    assert pools["magpie_chat"] == want and len(want) > 100
 
 
 def test_usage_errors(capsys, tmp_path):

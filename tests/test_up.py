@@ -53,7 +53,7 @@ def tiny_up_config(tmp_path: Path, hf_dir: Path, drafter_dir: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["configs/up_smollm2.yaml", "tests/configs/up_tiny.yaml"])
+@pytest.mark.parametrize("name", ["configs/up_smollm2.yaml", "configs/up_vllm.yaml", "tests/configs/up_tiny.yaml"])
 def test_derived_configs_load_in_the_real_config_classes(name, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     cfg = load_config(REPO / name, UpConfig)
@@ -75,6 +75,8 @@ def test_derived_configs_load_in_the_real_config_classes(name, tmp_path, monkeyp
 def test_bad_config_and_busy_port(tmp_path, capsys):
     with pytest.raises(ValueError, match="refresh_s must be > 0"):
         from_dict(UpConfig, {"refresh_s": 0})
+    with pytest.raises(ValueError, match=r"train.threads must be >= 1"):
+        from_dict(UpConfig, {"train": {"threads": 0}})
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
