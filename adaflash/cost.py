@@ -2,12 +2,15 @@
 
 A step's wall time is modelled as linear in what it does (seconds):
 
-    verification   (target.forward_packed)       t_T = a0 + a1 * R + a2 * N        R requests, N tokens verified
-    drafting       (draft_many + draft logits)   t_D = d0 + d1 * Rd + d2 * Rd * Ld  Rd requests drafted, blocks of Ld
+    verification   (target.forward_packed)       t_T = a0 + a1 * R + a2 * max(N - knee, 0)   R requests, N tokens verified
+    drafting       (draft_many + draft logits)   t_D = d0 + d1 * Rd + d2 * Rd * Ld            Rd requests drafted, blocks of Ld
 
-On a CPU a2 (one more token row through every linear) and a1 (per-request attention calls) are what
-make long verification cost; on a GPU a2 is near zero until the batch fills the device. The cost-aware
-verify policy (adaflash.policy_cost) only needs these marginal costs against the step's total.
+The knee is the roofline's shape: a forward over few token rows is bound by reading the weights, so
+rows are nearly free until the batch becomes compute-bound (a single request's forward over 1 or 8
+tokens costs the same on a CPU), then each row costs a2 (one more row through every linear). a1 is the
+per-request attention work. The knee is fitted on the calibration points (the candidate with the
+smallest relative residual; 0 gives a model linear in N); on a GPU it lies far out. The cost-aware
+verify policy (adaflash.policy_cost) reads the step's seconds as a function of the tokens it verifies.
 
 `calibrate` times a small grid of both passes (a few seconds) on dummy caches. `load_or_calibrate`
 keeps that under the user cache (`cache_root()/cost/`), keyed by CPU/GPU model, torch threads, the
@@ -74,25 +77,58 @@ class Linear:
         return max(float(self.theta[self.names.index(name)]), floor)
 
 
+KNEES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # candidate knees (tokens per step) of the verify cost
+
+
+def fit_knee(points: list[tuple[int, int, float]]) -> int:
+    """The knee of t = a0 + a1 R + a2 max(N - knee, 0) that fits (R, N, seconds) points best, by least
+    squares on relative errors; near-ties go to the smaller knee (the linear model, knee 0, when it fits)."""
+    y = torch.tensor([t for *_, t in points], dtype=torch.float64)  # [n]
+    w = 1.0 / y  # relative errors: a 50 ms and a 500 ms point count alike
+    best, best_err = 0, float("inf")
+    for k in KNEES:
+        x = torch.tensor([[1.0, r, max(n - k, 0)] for r, n, _ in points], dtype=torch.float64)  # [n, 3]
+        if k and not bool((x[:, 2] > 0).any()):
+            break  # no point beyond this knee: its slope is not measured
+        theta = torch.linalg.lstsq(x * w[:, None], y * w).solution  # [3]
+        if float(theta[2]) <= 0:
+            continue
+        err = float((((x @ theta) - y) * w).square().sum())
+        if err < 0.99 * best_err - 1e-12:  # a larger knee must fit clearly better (knees <= min N are the same model)
+            best, best_err = k, err
+    return best
+
+
 class StepCost:
     """The two linear models; `verify(R, N)` and `draft(Rd, Ld)` in seconds (0 drafted = no pass)."""
 
     def __init__(self, target_points: list[tuple[int, int, float]], drafter_points: list[tuple[int, int, float]], forget: float = 0.97):
         self.points = {"target": list(target_points), "drafter": list(drafter_points)}
-        self.target = Linear(["1", "R", "N"], [[1.0, r, n] for r, n, _ in target_points], [t for *_, t in target_points], forget)
+        self.knee = fit_knee(self.points["target"])
+        self.target = Linear(["1", "R", "N"], [self._x(r, n) for r, n, _ in target_points], [t for *_, t in target_points], forget)
         self.drafter = Linear(
             ["1", "Rd", "RdLd"], [[1.0, r, r * ld] for r, ld, _ in drafter_points], [t for *_, t in drafter_points], forget
         )
 
+    def _x(self, r: int, n: int) -> list[float]:
+        """Verify-cost features: 1, R, tokens beyond the knee."""
+        return [1.0, float(r), float(max(n - self.knee, 0))]
+
     def verify(self, r: int, n: int) -> float:
-        return max(self.target(1.0, r, n), 1e-6)
+        return max(self.target(*self._x(r, n)), 1e-6)
+
+    def verify_curve(self, r: int, n: int, extra: int) -> torch.Tensor:
+        """[extra + 1] seconds of verifying N = n .. n + extra tokens over r requests (non-decreasing)."""
+        beyond = (torch.arange(n, n + extra + 1, dtype=torch.float64) - self.knee).clamp(min=0)  # [extra + 1]
+        a0, a1 = float(self.target.theta[0]), float(self.target.theta[1])
+        return (a0 + a1 * r + self.per_token * beyond).clamp(min=1e-6)
 
     def draft(self, rd: int, ld: int) -> float:
         return max(self.drafter(1.0, rd, rd * ld), 0.0) if rd else 0.0
 
     @property
     def per_token(self) -> float:
-        """Seconds one more verified token adds to a step (never below a microsecond: a token is never free)."""
+        """Seconds one more verified token beyond the knee adds to a step (never below a microsecond)."""
         return self.target.coef("N", 1e-6)
 
     @property
@@ -101,7 +137,7 @@ class StepCost:
         return self.drafter.coef("1"), self.drafter.coef("Rd"), self.drafter.coef("RdLd")
 
     def observe_verify(self, r: int, n: int, seconds: float) -> None:
-        self.target.observe([1.0, r, n], seconds)
+        self.target.observe(self._x(r, n), seconds)
 
     def observe_draft(self, rd: int, ld: int, seconds: float) -> None:
         if rd:
@@ -124,7 +160,7 @@ class StepCost:
 
 
 # ----------------------------------------------------------------------------- calibration
-TARGET_GRID = ((1, 1), (1, 4), (1, 16), (4, 1), (4, 4), (8, 1), (8, 4))  # (requests, tokens each)
+TARGET_GRID = ((1, 1), (1, 4), (1, 8), (1, 16), (1, 32), (4, 1), (4, 4), (8, 1), (8, 4), (8, 8))  # (requests, tokens each)
 DRAFTER_GRID = ((1, 2), (1, 16), (4, 4), (8, 2), (8, 8))  # (requests drafted, block length)
 
 

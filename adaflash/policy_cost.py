@@ -6,10 +6,11 @@ decoding) that maximises the batch's expected committed tokens per second:
     E = sum_i (1 + sum_{j < L_i} c_ij),   c_ij = prod_{m <= j} p_im     expected tokens committed
     T = t_T(R, sum_i L_i) + t_D(drafted requests, block length)         adaflash.cost.StepCost
 
-p_ij = P(position j accepted | positions < j accepted). c_ij falls with j, so at a rate lam (tokens/s)
-a request keeps exactly the positions with c_ij > lam * a2 (a2 = seconds per verified token); lam comes
-from Dinkelbach's iteration lam <- E / T, started at plain decoding's rate. Plain decoding is always
-one of the choices, so the policy can fall back to it.
+p_ij = P(position j accepted | positions < j accepted). c_ij falls with j, so for any number n of drafts
+verified the best are the n largest c_ij, prefixes of the blocks: one scan over the drafts by falling
+c_ij, each prefix priced by the step-cost curve (flat below the knee where a forward is memory-bound,
+then linear), finds the best n. Plain decoding is always one of the choices, so the policy can fall
+back to it.
 
 Two acceptance models (`AcceptanceModel`, logistic regressions refitted on every verified round: the
 labels are free, accepted positions 1, the first rejected 0, later ones unobserved):
@@ -131,26 +132,31 @@ class Running:
 
 
 # ----------------------------------------------------------------------------- the choice
-def choose_lengths(cum: torch.Tensor, fixed_s: float, tok_s: float, fixed_gain: float, iters: int = 20) -> tuple[torch.Tensor, float]:
-    """Verify lengths that maximise (fixed_gain + sum_i sum_{j < L_i - 1} cum_ij) / (fixed_s + tok_s * sum_i (L_i - 1)).
+def _best_prefix(values: torch.Tensor, secs: torch.Tensor, fixed_gain: float, start: int = 0) -> tuple[int, float]:
+    """values [M] in the order they are taken, secs [M + 1] step seconds with n of them taken -> the n
+    (at least `start`) with the most expected tokens per second, and that rate."""
+    gain = fixed_gain + torch.cat([values.new_zeros(1), values.cumsum(0)])  # [M + 1]
+    rate = gain / secs
+    n = start + int(rate[start:].argmax())
+    return n, float(rate[n])
 
-    cum [R, J]: P(the first j drafts all accepted), non-increasing in j; fixed_s: the step's seconds
-    with every request verifying its anchor only (drafting included once it is spent); tok_s: seconds
-    per further verified token; fixed_gain: tokens committed anyway (one per request). -> (lengths [R]
-    in 1..J+1, the rate lam in tokens/s). Dinkelbach: each lam gives every request its best length
-    independently (keep position j while cum_ij > lam * tok_s), the lengths give a higher lam; it stops
-    when the lengths repeat.
+
+def choose_lengths(cum: torch.Tensor, secs: torch.Tensor, fixed_gain: float) -> tuple[torch.Tensor, float]:
+    """Verify lengths that maximise (fixed_gain + sum_i sum_{j < L_i - 1} cum_ij) / secs[sum_i (L_i - 1)].
+
+    cum [R, J]: P(the first j drafts all accepted), non-increasing in j; secs [R * J + 1]: the step's
+    seconds when n drafts are verified besides every request's anchor (non-decreasing; drafting
+    included once it is spent); fixed_gain: tokens committed anyway (one per request). -> (lengths [R]
+    in 1..J+1, the rate in tokens/s). Whatever n drafts are verified, the best are the n most likely
+    ones, and those are prefixes of the requests' blocks since cum falls with j; so one scan over the
+    drafts by falling cum finds the optimum for any cost curve (a flat one below the knee included).
     """
-    lens = torch.ones(cum.shape[0], dtype=torch.long)  # [R]
-    lam = fixed_gain / fixed_s
-    for _ in range(iters):
-        new = 1 + (cum > lam * tok_s).sum(-1)  # [R]: a prefix, since cum falls with j
-        gain = fixed_gain + float((cum * (torch.arange(cum.shape[1])[None] < (new - 1)[:, None])).sum())
-        lam = gain / (fixed_s + tok_s * float((new - 1).sum()))
-        if torch.equal(new, lens):
-            break
-        lens = new
-    return lens, lam
+    r, j = cum.shape
+    order = torch.argsort(cum.reshape(-1), descending=True, stable=True)  # [R*J]: ties keep the earlier position
+    n, rate = _best_prefix(cum.reshape(-1)[order], secs, fixed_gain)
+    taken = torch.zeros(r * j, dtype=torch.bool)
+    taken[order[:n]] = True
+    return 1 + taken.view(r, j).sum(-1), rate
 
 
 @dataclass
@@ -163,46 +169,43 @@ class DraftPlan:
 
 def plan_drafts(
     cum: torch.Tensor,
-    fixed_s: float,
-    tok_s: float,
+    secs: torch.Tensor,
     fixed_gain: float,
     draft_s: tuple[float, float, float],
     force: torch.Tensor | None = None,
-    iters: int = 20,
 ) -> DraftPlan:
     """Which requests draft and how long a block, before drafting (lengths <= the block).
 
-    cum [R, K-1] from the prior model; draft_s: (per pass, per drafted request, per drafted block row)
-    seconds; force [R] bool: requests that draft anyway (probes, at least one draft verified). For a
-    rate lam a request's surplus at block length Ld is its best net gain over lengths <= Ld minus the
-    drafting it adds, lam * (per request + per row * Ld); the block length maximises the summed positive
-    surpluses less one pass, and nobody drafts when that is not positive. lam iterates as in
-    `choose_lengths`."""
+    cum [R, K-1] from the prior model; secs [R * (K-1) + 1] verify seconds with n drafts verified (as in
+    `choose_lengths`); draft_s: (per pass, per drafted request, per drafted block row) seconds; force
+    [R] bool: requests that draft anyway (probes, at least one draft verified). For every block length
+    the drafts are taken by falling cum (the forced requests' first drafts first), a request paying its
+    drafting cost with its first draft taken; the plan is the block length and prefix with the most
+    expected tokens per second, plain decoding (nothing drafted) among them when nobody is forced."""
     r, n_pos = cum.shape
     force = torch.zeros(r, dtype=torch.bool) if force is None else force
     d_pass, d_req, d_row = draft_s
-    blocks = torch.arange(2, n_pos + 2, dtype=torch.float64)  # [J]: block length with j drafts
-    lam, plan = fixed_gain / fixed_s, None
-    for _ in range(iters):
-        net = torch.cumsum(cum - lam * tok_s, -1)  # [R, J]: net gain of verifying the first j drafts
-        best, arg = torch.cummax(net, -1)  # [R, J]: best net gain with at most j drafts, and its j - 1
-        surplus = best - lam * (d_req + d_row * blocks)[None]  # [R, J]
-        surplus = torch.where(force[:, None], surplus.clamp(min=1e-9), surplus)
-        total = surplus.clamp(min=0).sum(0) - lam * d_pass  # [J]
-        k = int(total.argmax())
-        if float(total[k]) <= 0 and not bool(force.any()):
-            new = DraftPlan(torch.zeros(r, dtype=torch.bool), 0, torch.ones(r, dtype=torch.long), fixed_gain / fixed_s)
-        else:
-            draft = surplus[:, k] > 0  # [R]
-            drafts = torch.where(draft, arg[:, k] + 1, 0)  # [R] planned drafts verified
-            drafts = torch.where(force, drafts.clamp(min=1), drafts)
-            gain = fixed_gain + float((cum * (torch.arange(n_pos)[None] < drafts[:, None])).sum())
-            secs = fixed_s + tok_s * float(drafts.sum()) + d_pass + (d_req + d_row * (k + 2)) * int(draft.sum())
-            new = DraftPlan(draft, k + 2, 1 + drafts, gain / secs)
-        if plan is not None and torch.equal(new.lens, plan.lens) and new.block == plan.block:
-            break
-        plan, lam = new, new.rate
-    return plan
+    no_draft = DraftPlan(torch.zeros(r, dtype=torch.bool), 0, torch.ones(r, dtype=torch.long), fixed_gain / float(secs[0]))
+    best = None if bool(force.any()) else no_draft
+    n_forced = int(force.sum())
+    for b in range(2, n_pos + 2):  # block length b: drafts 1 .. b - 1
+        part = cum[:, : b - 1]  # [R, b-1]
+        flat = part.reshape(-1)
+        first = torch.arange(r) * (b - 1)  # [R]: flat index of each request's first draft
+        rest = torch.ones(r * (b - 1), dtype=torch.bool)
+        rest[first[force]] = False
+        tail = torch.nonzero(rest).squeeze(1)
+        order = torch.cat([first[force], tail[torch.argsort(flat[tail], descending=True, stable=True)]])  # [R*(b-1)]
+        is_first = (order % (b - 1)) == 0  # a request's first draft: it starts drafting there
+        drafted = torch.cat([torch.zeros(1, dtype=torch.long), is_first.long().cumsum(0)])  # [M + 1]
+        cost = secs[: len(order) + 1] + (drafted > 0) * d_pass + drafted * (d_req + d_row * b)  # [M + 1]
+        n, rate = _best_prefix(flat[order], cost, fixed_gain, start=max(n_forced, 1))
+        if best is None or rate > best.rate:
+            taken = torch.zeros(r * (b - 1), dtype=torch.bool)
+            taken[order[:n]] = True
+            drafts = taken.view(r, b - 1).sum(-1)  # [R]
+            best = DraftPlan(drafts > 0, b, 1 + drafts, rate)
+    return best
 
 
 # ----------------------------------------------------------------------------- the policy
@@ -246,7 +249,8 @@ class CostPolicy(VerifyPolicy):
         self._batch = (n_req, n_tok)
         force = torch.tensor([self._probe_due(i) for i in ids], dtype=torch.bool)
         cum = self.prior.predict(prior_features(self.running.rate(ids), self.k_blk - 1)).cumprod(-1)  # [R, K-1]
-        plan = plan_drafts(cum, self.cost.verify(n_req, n_tok), self.cost.per_token, n_req, self.cost.per_drafted, force)
+        secs = self.cost.verify_curve(n_req, n_tok, cum.numel())  # [R*(K-1) + 1]
+        plan = plan_drafts(cum, secs, n_req, self.cost.per_drafted, force)
         self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
         self.forced = {i for i, f in zip(ids, force.tolist()) if f}
         for i, d in zip(ids, plan.draft.tolist()):
@@ -294,8 +298,8 @@ class CostPolicy(VerifyPolicy):
         cond = self.block.predict(x)  # [R, J]
         cum = cond.cumprod(-1)
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
-        fixed_s = self.cost.verify(n_req, n_tok) + self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
-        lens, _ = choose_lengths(cum, fixed_s, self.cost.per_token, n_req)
+        secs = self.cost.verify_curve(n_req, n_tok, cum.numel()) + self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
+        lens, _ = choose_lengths(cum, secs, n_req)
         forced = torch.tensor([i in self.forced for i in ids], dtype=torch.bool)
         lens = torch.where(forced, lens.clamp(min=2), lens)
         xp = prior_features(run, n_pos)  # [R, J, 3]

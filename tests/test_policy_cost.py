@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 
-from adaflash.cost import Linear, StepCost, calibrate, load_or_calibrate
+from adaflash.cost import TARGET_GRID, Linear, StepCost, calibrate, fit_knee, load_or_calibrate
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
 from adaflash.policy_cost import (
     AcceptanceModel,
@@ -46,6 +46,17 @@ def test_linear_fit_recovers_coefficients_and_follows_live_steps():
     assert c.per_token == pytest.approx(1.3 * 0.005, rel=0.05)
 
 
+def test_knee_is_fitted_and_priced():
+    """A memory-bound forward: flat up to 6 tokens, then 4 ms a token. The knee is found, the curve is
+    flat below it, and a linear machine keeps knee 0 (its fit is unchanged)."""
+    pts = [(r, r * n, 0.05 + 0.002 * r + 0.004 * max(r * n - 6, 0)) for r, n in TARGET_GRID]
+    c = StepCost(pts, linear_cost().points["drafter"])
+    assert fit_knee(pts) == 6 and c.knee == 6 and c.per_token == pytest.approx(0.004)
+    curve = c.verify_curve(1, 1, 15)  # [16]: N = 1 .. 16
+    assert curve[:6].tolist() == pytest.approx([0.052] * 6) and float(curve[-1]) == pytest.approx(0.052 + 0.004 * 10)
+    assert linear_cost().knee == 0 and float(linear_cost().verify_curve(2, 2, 3)[-1]) == pytest.approx(linear_cost().verify(2, 5))
+
+
 def test_linear_clips_outliers():
     lin = Linear(["1", "N"], [[1, 1], [1, 10]], [0.1, 1.0])
     lin.observe([1, 5], 100.0)  # one step stalled by another process
@@ -62,7 +73,7 @@ def test_calibration_is_cached_per_machine(tmp_path, monkeypatch):
     target = tiny_target()
     drafter = tiny_drafter(target)
     real = calibrate(target, drafter, reps=1)  # the real sweep on tiny models: every point timed
-    assert len(real.points["target"]) == 7 and all(t > 0 for *_, t in real.points["target"] + real.points["drafter"])
+    assert len(real.points["target"]) == len(TARGET_GRID) and all(t > 0 for *_, t in real.points["target"] + real.points["drafter"])
     calls, result = [], [linear_cost()]
     monkeypatch.setattr("adaflash.cost.calibrate", lambda *a, **k: calls.append(1) or result[0])
     first = load_or_calibrate(target, drafter, tmp_path)
@@ -112,46 +123,84 @@ def test_acceptance_model_learns_a_new_domain_within_a_few_batches():
 
 
 # ----------------------------------------------------------------------------- the choice
-def brute_force(cum: torch.Tensor, fixed_s: float, tok_s: float, gain0: float) -> float:
+def brute_force(cum: torch.Tensor, secs: torch.Tensor, gain0: float) -> float:
     best = 0.0
     r, j = cum.shape
     for lens in itertools.product(range(j + 1), repeat=r):
         gain = gain0 + sum(float(cum[i, :n].sum()) for i, n in enumerate(lens))
-        best = max(best, gain / (fixed_s + tok_s * sum(lens)))
+        best = max(best, gain / float(secs[sum(lens)]))
     return best
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_choose_lengths_matches_brute_force(seed):
+    """Linear costs (seeds 0-3) and costs flat up to a knee, then linear (4-7)."""
     g = torch.Generator().manual_seed(seed)
     cum = torch.rand(3, 4, generator=g, dtype=torch.float64).cumprod(-1)  # [R, J] non-increasing
     fixed_s, tok_s = 0.05 + 0.1 * float(torch.rand(1, generator=g)), 0.002 + 0.03 * float(torch.rand(1, generator=g))
-    lens, lam = choose_lengths(cum, fixed_s, tok_s, 3)
-    got = (3 + sum(float(cum[i, : n - 1].sum()) for i, n in enumerate(lens.tolist()))) / (fixed_s + tok_s * float((lens - 1).sum()))
-    assert got == pytest.approx(brute_force(cum, fixed_s, tok_s, 3), rel=1e-9) and lam == pytest.approx(got)
+    knee = 0 if seed < 4 else int(torch.randint(1, 8, (1,), generator=g))
+    secs = fixed_s + tok_s * (torch.arange(13, dtype=torch.float64) - knee).clamp(min=0)  # [R*J + 1]
+    lens, lam = choose_lengths(cum, secs, 3)
+    got = (3 + sum(float(cum[i, : n - 1].sum()) for i, n in enumerate(lens.tolist()))) / float(secs[int((lens - 1).sum())])
+    assert got == pytest.approx(brute_force(cum, secs, 3), rel=1e-9) and lam == pytest.approx(got)
+
+
+def plan(c: StepCost, cum: torch.Tensor, force=None):
+    r = cum.shape[0]
+    return plan_drafts(cum, c.verify_curve(r, r, cum.numel()), r, c.per_drafted, force)
 
 
 def test_plan_drafts_falls_back_to_plain_decoding_when_drafts_do_not_pay():
     c = linear_cost()
     for r in (1, 8, 32):
         useless = torch.full((r, 15), 0.02, dtype=torch.float64).cumprod(-1)
-        plan = plan_drafts(useless, c.verify(r, r), c.per_token, r, c.per_drafted)
-        assert not plan.draft.any() and plan.block == 0 and plan.lens.tolist() == [1] * r
+        p = plan(c, useless)
+        assert not p.draft.any() and p.block == 0 and p.lens.tolist() == [1] * r
         good = torch.full((r, 15), 0.8, dtype=torch.float64).cumprod(-1)
-        plan = plan_drafts(good, c.verify(r, r), c.per_token, r, c.per_drafted)
-        assert plan.draft.all() and plan.block >= 3 and plan.rate > r / c.verify(r, r)
+        p = plan(c, good)
+        assert p.draft.all() and p.block >= 3 and p.rate > r / c.verify(r, r)
     force = torch.tensor([True, False])  # a probe drafts and verifies at least one draft anyway
-    plan = plan_drafts(torch.full((2, 15), 0.02, dtype=torch.float64).cumprod(-1), c.verify(2, 2), c.per_token, 2, c.per_drafted, force)
-    assert plan.draft.tolist() == [True, False] and plan.lens.tolist() == [2, 1] and plan.block == 2
+    p = plan(c, torch.full((2, 15), 0.02, dtype=torch.float64).cumprod(-1), force)
+    assert p.draft.tolist() == [True, False] and p.lens.tolist() == [2, 1] and p.block == 2
+
+
+def test_plan_drafts_matches_brute_force():
+    """Every subset of drafting requests, block length and prefix length, on small random cases."""
+    g = torch.Generator().manual_seed(0)
+    for case in range(6):
+        r, j = 2, 3
+        cum = torch.rand(r, j, generator=g, dtype=torch.float64).cumprod(-1)
+        knee = case % 3 * 2
+        secs = 0.05 + 0.01 * (torch.arange(r * j + 1, dtype=torch.float64) + r - knee).clamp(min=0)
+        d = (0.004, 0.002 * case, 0.0005)
+        got = plan_drafts(cum, secs, r, d)
+        best = r / float(secs[0])
+        for b in range(2, j + 2):
+            for lens in itertools.product(range(b), repeat=r):
+                m = sum(1 for n in lens if n)
+                if m:
+                    gain = r + sum(float(cum[i, :n].sum()) for i, n in enumerate(lens))
+                    best = max(best, gain / (float(secs[sum(lens)]) + d[0] + m * (d[1] + d[2] * b)))
+        assert got.rate == pytest.approx(best, rel=0.02), case  # the scan is greedy in requests' drafting cost
 
 
 def test_longer_blocks_where_tokens_are_cheap():
     """The same acceptance verifies more per request at one request than at 32 (a CPU's tokens cost)."""
     c = linear_cost()
     cum = torch.full((32, 15), 0.7, dtype=torch.float64).cumprod(-1)
-    one = plan_drafts(cum[:1], c.verify(1, 1), c.per_token, 1, c.per_drafted)
-    many = plan_drafts(cum, c.verify(32, 32), c.per_token, 32, c.per_drafted)
+    one, many = plan(c, cum[:1]), plan(c, cum)
     assert one.block > many.block >= 2
+
+
+def test_below_the_knee_a_single_request_verifies_its_likely_drafts():
+    """Flat cost up to 8 tokens: one request verifies 7 drafts of a block accepted at 0.6 each (a linear
+    model priced at 4 ms a token verifies fewer)."""
+    pts = [(r, r * n, 0.05 + 0.002 * r + 0.004 * max(r * n - 8, 0)) for r, n in TARGET_GRID]
+    knee, linear = StepCost(pts, linear_cost().points["drafter"]), linear_cost(a=(0.05, 0.002, 0.004))
+    cum = torch.full((1, 15), 0.6, dtype=torch.float64).cumprod(-1)
+    lens, _ = choose_lengths(cum, knee.verify_curve(1, 1, 15), 1)
+    lens_linear, _ = choose_lengths(cum, linear.verify_curve(1, 1, 15), 1)
+    assert int(lens) >= 8 and int(lens_linear) < int(lens)
 
 
 # ----------------------------------------------------------------------------- in the engine
