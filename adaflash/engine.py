@@ -19,8 +19,9 @@ chains (a lossless multi-candidate rule would need candidates drawn from q, not 
 Prompt lookup (`lookup` L > 0): a request whose text ends in an n-gram (at least `lookup_min`
 tokens) that occurred earlier in its prompt or output proposes the up to L tokens that followed it
 (spec.lookup_chain). A tree grafts this chain into itself as one more path (spec.graft); a chain
-request verifies it instead of drafting, skipping the drafter pass and the verify-length policy that
-step. Sampling stays lossless (the chain is a deterministic proposal, q = one-hot). The trajectory
+request verifies the part of it the policy keeps (`lookup_lengths`: all of it, except for the cost
+policy) instead of drafting, skipping the drafter pass that step, and drafts when the policy keeps
+none of it. Sampling stays lossless (the chain is a deterministic proposal, q = one-hot). The trajectory
 buffer gets drafter rounds only (a tree round is one: its drafter drafted at that anchor).
 
 Single-request generation (`adaflash generate`, the pretraining eval) is this engine at batch 1.
@@ -154,6 +155,15 @@ class VerifyPolicy(ABC):
     def observe_timing(self, verify: tuple[int, int, float], draft: tuple[int, int, float] | None) -> None:
         """A step's timings: verify = (requests, tokens, seconds) of the target pass; draft = (requests,
         block length, seconds) of the chain drafting pass (draft_many + lengths), None without one."""
+
+    def lookup_lengths(self, states: list[RequestState], chains: list[int], others: int = 0) -> list[int]:
+        """Before drafting: how many tokens of each request's prompt-lookup chain (`chains`: their
+        lengths) to verify; 0 = none this step (the request may draft instead). `others`: requests of
+        the step without a chain. Default: whole chains."""
+        return list(chains)
+
+    def observe_lookup(self, states: list[RequestState], accepted: list[int]) -> None:
+        """Called after verification with each lookup round's accepted chain tokens."""
 
 
 class FixedPolicy(VerifyPolicy):
@@ -470,9 +480,20 @@ class Engine:
                 p.st.context.append(ft)
         chains = [p for p in plans if p.kind == "draft"]
         self.policy.observe([p.st for p in chains], [p.st.rounds[-1].accepted for p in chains])
+        looks = [p for p in plans if p.kind == "lookup"]
+        if looks:
+            self.policy.observe_lookup([p.st for p in looks], [p.st.rounds[-1].accepted for p in looks])
 
     def _select(self, plans: list[_Plan]) -> None:
-        """The policy may keep drafting requests from drafting this step: they verify their anchor alone."""
+        """The policy sizes prompt-lookup chains (a request whose chain it refuses may draft instead) and
+        may keep drafting requests from drafting this step: they verify their anchor alone."""
+        looks = [p for p in plans if p.kind == "lookup"]
+        if looks:
+            keep = self.policy.lookup_lengths([p.st for p in looks], [len(p.chain) for p in looks], len(plans) - len(looks))
+            for p, n in zip(looks, keep):
+                p.chain = p.chain[:n]
+                if not p.chain:
+                    p.kind = "draft" if self.policy.drafts else "plain"
         cands = [p for p in plans if p.kind == "draft"]
         if not cands:
             return

@@ -12,8 +12,11 @@ c_ij, each prefix priced by the step-cost curve (flat below the knee where a for
 then linear), finds the best n. Plain decoding is always one of the choices, so the policy can fall
 back to it.
 
-Two acceptance models (`AcceptanceModel`, logistic regressions refitted on every verified round: the
+Three acceptance models (`AcceptanceModel`, logistic regressions refitted on every verified round: the
 labels are free, accepted positions 1, the first rejected 0, later ones unobserved):
+- prompt-lookup chains (`lookup_lengths`): from the position and the request's running chain
+  acceptance, the prefix of a request's chain worth verifying; a refused chain leaves the request to
+  drafting or plain decoding (one chain token is verified as a probe after 4, 8, .. refusals);
 - before drafting (`select`, `plan_drafts`): from the position and the request's running acceptance,
   which requests draft at all and how long a block the drafter runs. A request where no draft pays
   skips the drafter pass and verifies its anchor alone; it is drafted again as a probe after 4, 8, ..
@@ -228,6 +231,11 @@ class CostPolicy(VerifyPolicy):
         self.block = AcceptanceModel([0.0, 1.0, 0.0, 0.0], prior, forget)  # starts as P = the drafter's confidence
         self.prior = AcceptanceModel([0.0, 0.0, 1.0], prior, forget)  # starts as P = the running acceptance
         self.running = Running()
+        self.chain = AcceptanceModel([0.0, 0.0, 1.0], prior, forget)  # lookup chains: position, running chain acceptance
+        self.running_chain = Running()
+        self.chain_pending: dict[str, torch.Tensor] = {}  # request -> [J, 3] features of its verified chain
+        self.chain_refused: dict[str, int] = {}  # request -> chains refused since its last verified one
+        self._chained: list[str] = []  # requests with a lookup chain this step (alive, though not drafting)
         self.pending: dict[str, _Pending] = {}
         self.skipped: dict[str, int] = {}  # request -> steps skipped since it last drafted
         self.probe_every: dict[str, int] = {}
@@ -255,7 +263,8 @@ class CostPolicy(VerifyPolicy):
         self.forced = {i for i, f in zip(ids, force.tolist()) if f}
         for i, d in zip(ids, plan.draft.tolist()):
             self._after_plan(i, d)
-        self._prune(ids)
+        self._prune(ids + self._chained)
+        self._chained = []
         return plan.draft.tolist()
 
     def _probe_due(self, rid: str) -> bool:
@@ -280,9 +289,56 @@ class CostPolicy(VerifyPolicy):
             self.probe_every.pop(i, None)
             self.pending.pop(i, None)
         self.running.forget(gone)
+        gone = [i for i in self.chain_refused if i not in live]
+        for i in gone:
+            self.chain_pending.pop(i, None)
+            self.chain_refused.pop(i, None)
+        self.running_chain.forget(gone)
 
     def draft_len(self, k_blk, head=None):
         return min(self._block, k_blk)
+
+    # -- prompt lookup
+    def lookup_lengths(self, states, chains, others=0):
+        """Each chain's prefix worth verifying, by the same rate test as drafts: the chain model's
+        per-position acceptance (position, the request's running chain acceptance) against the step's
+        cost curve. A refused chain leaves its request to `select` (drafting or plain decoding); after 4,
+        8, .. 64 refusals in a row one token of it is verified anyway (a probe, so the model keeps labels)."""
+        ids = [s.req.request_id for s in states]
+        self._chained = ids
+        n_pos = max(chains)
+        xp = prior_features(self.running_chain.rate(ids), n_pos)  # [R, J, 3]
+        cum = self.chain.predict(xp).cumprod(-1) * (torch.arange(n_pos)[None] < torch.tensor(chains)[:, None])  # [R, J]
+        n_req = len(states) + others
+        lens, _ = choose_lengths(cum, self.cost.verify_curve(n_req, n_req, cum.numel()), n_req)
+        out = []
+        for i, n, x, c in zip(ids, (lens - 1).tolist(), xp, chains):
+            refused = self.chain_refused.get(i, 0)
+            if not n and refused >= 4 and refused & (refused - 1) == 0:  # a probe at 4, 8, 16, ..
+                n = 1
+            self.chain_refused[i] = 0 if n else min(refused + 1, 64)
+            if n:
+                self.chain_pending[i] = x[:n]
+            out.append(min(n, c))
+        return out
+
+    def observe_lookup(self, states, accepted):
+        """Label each verified chain's positions (censored after the first rejection) and refit the chain model."""
+        xs, ys, ids, acc_n, seen_n = [], [], [], [], []
+        for s, a in zip(states, accepted):
+            rid = s.req.request_id
+            x = self.chain_pending.pop(rid, None)
+            if x is None:
+                continue
+            y, seen = round_labels(torch.tensor([a]), torch.tensor([len(s.rounds[-1].draft)]), len(x))
+            xs.append(x[seen[0]])
+            ys.append(y[0][seen[0]])
+            ids.append(rid)
+            acc_n.append(float(ys[-1].sum()))
+            seen_n.append(float(seen[0].sum()))
+        if xs:
+            self.chain.update(torch.cat(xs), torch.cat(ys))
+            self.running_chain.update(ids, torch.tensor(acc_n), torch.tensor(seen_n))
 
     # -- after drafting
     def lengths(self, states, hidden, k_blk, logits=None):

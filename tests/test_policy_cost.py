@@ -249,6 +249,32 @@ def test_useless_drafter_falls_back_to_plain_decoding():
     assert policy.select(fresh) == [False, False, False]  # new requests are not drafted either
 
 
+def test_useless_lookup_chains_are_refused():
+    """Prompts full of repeats give prompt-lookup chains every step; the tiny target never follows them.
+    The cost policy stops verifying them (a probe now and then) and drafts or decodes instead, where
+    whole chains are verified every step without it; greedy output stays plain decoding's either way."""
+    from adaflash.engine import FixedPolicy
+
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    reqs = [Request(f"r{i}", [7 + i, 8, 9, 10] * 4, max_new_tokens=40) for i in range(4)]
+    plain = Engine(target, None, ARPolicy(), eos_ids=[], max_batch=4).run(reqs)
+
+    def chain_tokens(policy) -> tuple[int, int]:
+        engine = Engine(target, drafter, policy, eos_ids=[], max_batch=4, lookup=6, lookup_min=1)
+        states = engine.run(reqs)
+        assert [s.out for s in states] == [p.out for p in plain]
+        late = [rd for s in states for rd in s.rounds[len(s.rounds) // 2 :] if rd.source == "lookup"]
+        early = [rd for s in states for rd in s.rounds[: len(s.rounds) // 2] if rd.source == "lookup"]
+        verified = sum(rd.verify_len - 1 for rd in early + late)
+        assert sum(rd.accepted for rd in early + late) <= 0.2 * verified  # the chains are (nearly) useless here
+        return sum(rd.verify_len - 1 for rd in early), sum(rd.verify_len - 1 for rd in late)
+
+    fixed_early, fixed_late = chain_tokens(FixedPolicy())
+    cost_early, cost_late = chain_tokens(CostPolicy(linear_cost(), drafter.block_size))
+    assert fixed_late >= 40 and cost_early > 0 and cost_late <= 0.15 * fixed_late
+
+
 def test_skipped_requests_are_probed_with_backoff():
     policy = CostPolicy(linear_cost(), 16)
     for _ in range(30):  # the running acceptance says nothing pays
