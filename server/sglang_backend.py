@@ -209,6 +209,8 @@ class SGLangEngine(StockEngine):
                         self._restart(self.server.target_dir, self.server.drafter_dir)  # back to the old weights
                     raise RuntimeError(f"SGLang in-place draft update refused: {why}")
                 plan = "restart"
+            else:  # SGLang now serves this export: a later restart must load it too
+                self.server.drafter_dir = self.server.args["drafter_dir"] = draft_dir
         if plan == "restart":
             target_dir = self.server.target_dir
             if mask_changed:
