@@ -14,7 +14,8 @@ mask is a learned vector. It travels (a) as `mask_embedding` inside model.safete
 reads back: no pickle is ever loaded from an AdaFlash export) and (b) as vLLM's `mask_embedding.pt`
 ({"mask_token_id", "embedding"}), which vLLM substitutes for that token's row. `mask_token_id` is
 then only a placeholder id (default 15, a special token SmolLM2 never writes). Engines that ignore
-the .pt file (SGLang) embed the placeholder token's row instead: the drafter runs but drafts worse.
+the .pt file (SGLang) embed the placeholder token's row of the target they serve, so for SGLang that
+row must carry the learned mask: adaflash/dflash_sglang.py writes such a copy of the target.
 
 Draft vocabulary: a drafter that drafts from N of the target's tokens ships its own `lm_head.weight`
 ([N, H], those rows of the target's head) and `d2t` ([N], target id - draft id), with
@@ -52,13 +53,17 @@ def is_dflash_dir(path: str | Path) -> bool:
     return ARCHITECTURE in (meta.get("architectures") or [])
 
 
-def dflash_config(config, target_config, vocab: torch.Tensor | None, mask_token_id: int, dtype: str) -> dict:
+def dflash_config(config, target_config, vocab: torch.Tensor | None, mask_token_id: int, dtype: str, mask_token: str | None = None) -> dict:
     """config.json of a DFlash checkpoint for AdaFlash drafter `config` (DrafterConfig) beside a target
-    whose `TargetConfig` is `target_config`. The AdaFlash config rides along under "adaflash"."""
+    whose `TargetConfig` is `target_config`. The AdaFlash config rides along under "adaflash".
+    `mask_token`: the text of token `mask_token_id` (SGLang checks the pair against the tokenizer)."""
     c, t = config, target_config
     if not 0 <= mask_token_id < t.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the target's vocabulary [0, {t.vocab_size})")
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    dflash = {"block_size": c.block_size, "target_layer_ids": list(c.target_layer_ids), "mask_token_id": mask_token_id}
+    if mask_token is not None:
+        dflash["mask_token"] = mask_token
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -81,13 +86,16 @@ def dflash_config(config, target_config, vocab: torch.Tensor | None, mask_token_
         "torch_dtype": dtype,
         "block_size": c.block_size,
         "num_target_layers": t.num_layers,
-        "dflash_config": {"block_size": c.block_size, "target_layer_ids": list(c.target_layer_ids), "mask_token_id": mask_token_id},
+        "dflash_config": dflash,
         "adaflash": asdict(c),
     }
 
 
-def export_dflash(drafter, out: str | Path, mask_token_id: int = DEFAULT_MASK_TOKEN_ID, dtype: torch.dtype | None = None) -> Path:
+def export_dflash(
+    drafter, out: str | Path, mask_token_id: int = DEFAULT_MASK_TOKEN_ID, dtype: torch.dtype | None = None, mask_token: str | None = None
+) -> Path:
     """Write a loaded `Drafter` (attached to its target) as a DFlash directory `out`; -> out.
+    SGLang also needs the mask inside the target it serves: adaflash/dflash_sglang.py.
 
     Weights in `dtype` (default: the drafter's). Nothing else goes beside them: stock engines load
     every top-level *.safetensors file as drafter weights (so a length head stays in AdaFlash's format)."""
@@ -105,7 +113,8 @@ def export_dflash(drafter, out: str | Path, mask_token_id: int = DEFAULT_MASK_TO
         state["lm_head.weight"] = drafter.draft_head.weight.detach().to(dtype).cpu().contiguous()  # [Vd, H]
         state["d2t"] = (ids - torch.arange(ids.numel())).contiguous()  # [Vd]: target id = draft id + d2t
     save_file({k: v.cpu() for k, v in state.items()}, str(out / WEIGHTS), metadata={"format": "pt"})
-    meta = dflash_config(drafter.config, drafter_target_config(drafter), vocab, mask_token_id, str(dtype).removeprefix("torch."))
+    dtype_name = str(dtype).removeprefix("torch.")
+    meta = dflash_config(drafter.config, drafter_target_config(drafter), vocab, mask_token_id, dtype_name, mask_token)
     (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     # vLLM reads a separately trained mask from this file (torch.load, weights_only)
     torch.save({"mask_token_id": mask_token_id, "embedding": state["mask_embedding"].float().cpu().clone()}, out / MASK_FILE)

@@ -348,7 +348,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     target = load_target(args.target, "float32")
     drafter = load_drafter(src, target.model, target.identity, torch_dtype := resolve_dtype(args.dtype))
     if args.format == "dflash":  # a length head stays behind: stock engines verify fixed-length blocks
-        export_dflash(drafter, out, args.mask_token_id, torch_dtype)
+        tok = target.tokenizer
+        mask_token = tok.convert_ids_to_tokens(args.mask_token_id) if tok is not None else None
+        export_dflash(drafter, out, args.mask_token_id, torch_dtype, mask_token)
+        if args.sglang_target:  # SGLang embeds the MASK as the target's row mask_token_id: that row carries ours
+            from adaflash.dflash_sglang import write_sglang_target
+            from adaflash.target import stock_hf_dir
+
+            write_sglang_target(stock_hf_dir(args.target), args.sglang_target, args.mask_token_id, drafter.mask_embedding.detach().float())
+            print(f"[export] SGLang target with the learned MASK as row {args.mask_token_id}: {args.sglang_target}")
     else:
         drafter.save(out, torch_dtype)
         for f in (WEIGHTS, META):  # the length head travels along
@@ -570,6 +578,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the learned mask from mask_embedding.pt; default 15, a special token SmolLM2 never writes)",
     )
     x.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weight dtype written")
+    x.add_argument(
+        "--sglang-target",
+        metavar="DIR",
+        help="also write the target for SGLang here: SGLang embeds the MASK as the target's row mask-token-id, so this "
+        "copy carries the learned mask in that row (LM head untied and unchanged); serve it with "
+        "--model-path DIR --speculative-draft-model-path OUT",
+    )
     x.set_defaults(func=cmd_export)
 
     for module in COMMAND_MODULES:

@@ -70,7 +70,7 @@ class ServerState:
         self.ready = self.draining = False
         self.load_error: str | None = None
         self.target = self.runner = self.swapper = self.limits = None
-        self.backend_server = None  # the vLLM child server with backend vllm
+        self.stock_engine = None  # the engine holding the vLLM / SGLang child server (stock backends)
         self.guard = None  # LiveGuard: live tau per version and automatic rollback (with a registry)
         self.started = time.time()
         self.metrics = ServerMetrics(self)
@@ -93,7 +93,12 @@ class ServerState:
             from adaflash.server.vllm_backend import build_vllm_engine
 
             engine = build_vllm_engine(cfg, target)
-            self.backend_server = engine.server
+            self.stock_engine = engine
+        elif cfg.backend == "sglang":
+            from adaflash.server.sglang_backend import build_sglang_engine
+
+            engine = build_sglang_engine(cfg, target)
+            self.stock_engine = engine
         else:
             engine = build_engine(cfg, target)
         ctx, e = target.model.config.max_position_embeddings, cfg.engine
@@ -174,8 +179,8 @@ class ServerState:
             self.guard.stop(timeout=10)
         if self.runner is not None:
             self.runner.close(timeout=30)
-        if self.backend_server is not None:
-            self.backend_server.stop()
+        if self.stock_engine is not None:
+            self.stock_engine.server.stop()  # the current child (an SGLang restart replaces it)
         log.info("shut down")
 
 

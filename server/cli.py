@@ -20,6 +20,11 @@ def register(subparsers) -> None:
     p.add_argument("--config", help="YAML, e.g. configs/serve_smollm2.yaml (default: SmolLM2 fp32 + models/drafter-smollm2)")
     p.add_argument("--host", help="bind address (default: the config's, 127.0.0.1); use 0.0.0.0 only with an API key")
     p.add_argument("--port", type=int, help="port (default: the config's, 8000)")
+    p.add_argument(
+        "--backend",
+        choices=["builtin", "vllm", "sglang"],
+        help="what runs the models (default: the config's, builtin): AdaFlash's engine, stock vLLM or stock SGLang (a GPU)",
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (also $ADAFLASH_API_KEY or the config)")
     p.set_defaults(func=run)
 
@@ -35,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, ServeConfig) if args.config else ServeConfig()
-        cfg = dataclasses.replace(cfg, host=args.host or cfg.host, port=cfg.port if args.port is None else args.port)
+        port = cfg.port if args.port is None else args.port
+        cfg = dataclasses.replace(cfg, host=args.host or cfg.host, port=port, backend=args.backend or cfg.backend)
     except (ConfigError, ValueError) as e:
         raise UsageError(str(e)) from None
     api_key = args.api_key or os.environ.get("ADAFLASH_API_KEY") or cfg.api_key

@@ -125,7 +125,35 @@ class VLLMSection:
             raise ValueError(f"vllm.port must be in 0..65535 (0 = any free port), got {self.port}")
 
 
-BACKENDS = ("builtin", "vllm")
+@dataclass
+class SGLangSection:
+    """`backend: sglang`: stock SGLang (DFLASH) serves the target and the exported drafter (server/sglang_backend.py)."""
+
+    python: str | None = None  # SGLang venv's python (default $ADAFLASH_SGLANG_PYTHON, /opt/sglang, .venv-sglang)
+    port: int = 0  # loopback port of the SGLang child server (0 = any free port)
+    work_dir: str = "runs/serve/sglang"  # exported drafters, the mask-carrying target copies and sglang.log
+    mem_fraction_static: float = 0.8  # --mem-fraction-static: GPU memory share for weights + KV cache
+    startup_timeout_s: float = 900.0  # SGLang loads both models and captures CUDA graphs
+    mask_token_id: int = 15  # target row that carries the drafter's learned MASK (a token the target never writes)
+    swap: str = "auto"  # auto: in place, checked, else restart | inplace: in place, checked, or refuse | restart
+    swap_request: dict = field(default_factory=dict)  # fields added to /update_weights_from_disk to select the draft
+    # model (builds with a draft selector, e.g. {"update_speculative_draft": true}); stock builds have none
+    probe_tokens: int = 48  # greedy tokens of each swap probe (the check that the draft changed and the target did not)
+    extra_args: list[str] = field(default_factory=list)  # more `sglang.launch_server` flags, passed through
+
+    def __post_init__(self):
+        _positive("sglang", startup_timeout_s=self.startup_timeout_s, probe_tokens=self.probe_tokens)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"sglang.port must be in 0..65535 (0 = any free port), got {self.port}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"sglang.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.swap not in ("auto", "inplace", "restart"):
+            raise ValueError(f"sglang.swap must be auto, inplace or restart, got {self.swap!r}")
+        if self.mask_token_id < 0:
+            raise ValueError(f"sglang.mask_token_id must be >= 0, got {self.mask_token_id}")
+
+
+BACKENDS = ("builtin", "vllm", "sglang")
 
 
 @dataclass
@@ -135,19 +163,20 @@ class ServeConfig:
     api_key: str | None = None  # Bearer key for /v1/*; --api-key and $ADAFLASH_API_KEY override it
     shutdown_grace_s: float = 10.0  # on SIGINT/SIGTERM: in-flight requests get this long, then are cancelled
     log_level: str = "info"
-    backend: str = "builtin"  # builtin (AdaFlash's engine) | vllm (stock vLLM, `make vllm`; see the vllm section)
+    backend: str = "builtin"  # builtin (AdaFlash's engine) | vllm (stock vLLM, `make vllm`) | sglang (stock SGLang, a GPU)
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
     trajectories: TrajectorySection = field(default_factory=TrajectorySection)
     registry: RegistrySection = field(default_factory=RegistrySection)
     vllm: VLLMSection = field(default_factory=VLLMSection)
+    sglang: SGLangSection = field(default_factory=SGLangSection)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == "vllm" and self.model.policy in ("head", "ema", "cost"):
-            raise ValueError(  # stock vLLM fixes its draft length at start-up: no per-step knob to turn
-                f"model.policy {self.model.policy!r} needs the builtin backend; with backend vllm use "
+        if self.backend != "builtin" and self.model.policy in ("head", "ema", "cost"):
+            raise ValueError(  # stock engines fix their draft length at start-up: no per-step knob to turn
+                f"model.policy {self.model.policy!r} needs the builtin backend; with backend {self.backend} use "
                 "auto or fixed (verify the whole block), fixedK (K tokens per step) or ar (no drafter)"
             )
         if self.engine.tree and (self.backend != "builtin" or self.model.policy == "ar"):

@@ -28,28 +28,25 @@ import logging
 import math
 import os
 import shutil
-import subprocess
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import torch
+from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 
 from adaflash.buffer import Round
 from adaflash.dflash_format import vllm_python
-from adaflash.engine import DrafterSlot, Engine, Request, RequestState
 
 log = logging.getLogger("adaflash.server")
-logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request and health poll otherwise
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
 
 
-class VLLMServer:
+class VLLMServer(ChildServer):
     """vLLM's OpenAI server as a child process on a loopback port, with AdaFlash's worker extension."""
+
+    name = "vLLM"
 
     def __init__(
         self,
@@ -67,8 +64,6 @@ class VLLMServer:
         enforce_eager: bool = True,
         extra_args: list[str] | None = None,
     ):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = Path(log_path)
         cmd = [
             str(python),
             "-m",
@@ -103,7 +98,6 @@ class VLLMServer:
                 "--worker-extension-cls",
                 "adaflash_vllm.DraftSwap",
             ]
-        self.cmd = cmd + list(extra_args or [])
         env = dict(
             os.environ,
             VLLM_SERVER_DEV_MODE="1",
@@ -111,33 +105,7 @@ class VLLMServer:
             PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
         )
         env["OMP_NUM_THREADS"] = str(threads or os.cpu_count() or 1)  # vLLM-CPU uses 1 thread unless told
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float) -> None:
-        """Start vLLM and wait for /health (start-up loads and warms both models: about a minute here)."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log.info("starting vLLM (log %s): %s", self.log_path, " ".join(self.cmd))
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} while starting; see {self.log_path}:\n" + self.tail())
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"vLLM did not become healthy within {timeout_s:.0f} s; see {self.log_path}:\n" + self.tail())
-
-    def tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        super().__init__(cmd + list(extra_args or []), env, port, log_path)
 
     def rpc(self, method: str, *args: str, timeout: float = 300.0) -> list:
         """vLLM's /collective_rpc (dev mode): run `method` on every worker between engine steps."""
@@ -151,23 +119,8 @@ class VLLMServer:
         if r.status_code != 200:
             raise RuntimeError(f"vLLM reset_prefix_cache failed ({r.status_code}): {r.text[:300]}")
 
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(10)
 
-
-@dataclass
-class _Policy:
-    name: str
-
-
-class VLLMEngine:
+class VLLMEngine(StockEngine):
     """The EngineRunner's engine surface over a vLLM server (one streaming HTTP request per request)."""
 
     def __init__(
@@ -182,79 +135,15 @@ class VLLMEngine:
         work_dir: Path,
         mask_token_id: int,
     ):
-        self.server, self.work_dir, self.mask_token_id = server, Path(work_dir), mask_token_id
-        self.slot = DrafterSlot(drafter, None, version)
-        self.policy = _Policy(f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar")
-        self.k_blk = num_spec + 1 if drafter is not None else 1
-        self.max_batch, self.token_budget, self.max_model_len = max_batch, token_budget, max_model_len
-        self.waiting: deque = deque()  # vLLM queues internally; kept for the runner's error path
-        self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "swaps": 0, "last_swap_s": None}
-        self._live: dict[str, RequestState] = {}
-        self._done: list[RequestState] = []
-        self._cancel: set[str] = set()
-        self._responses: dict[str, httpx.Response] = {}  # open streams, closed by cancel()
-        self._cond = threading.Condition()
-        self._client = httpx.Client(
-            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        )
-
-    # ----------------------------------------------------------------- the Engine surface
-
-    @property
-    def drafter(self):
-        return self.slot.drafter
-
-    @property
-    def version(self) -> str:
-        return self.slot.version
-
-    @property
-    def running(self) -> list[RequestState]:
-        with self._cond:
-            return list(self._live.values())
-
-    @property
-    def idle(self) -> bool:
-        with self._cond:
-            return not self._live and not self._done
-
-    def submit(self, req: Request) -> None:
-        if len(req.prompt_ids) + req.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens + max_new_tokens "
-                f"{req.max_new_tokens} exceeds vLLM's max_model_len {self.max_model_len}"
-            )
-        st = RequestState(req, self.slot, None, None, None, t_start=time.perf_counter())
-        with self._cond:
-            self._live[req.request_id] = st
-        threading.Thread(target=self._stream, args=(st,), name=f"vllm-{req.request_id[-8:]}", daemon=True).start()
-
-    def cancel(self, request_id: str) -> None:
-        """Leave the request's stream (vLLM aborts a request whose client is gone), even before its first token."""
-        with self._cond:
-            self._cancel.add(request_id)
-            resp = self._responses.get(request_id)
-        if resp is not None:
-            try:
-                resp.close()
-            except Exception:  # the reader thread sees the closed stream and finishes the request
-                pass
-
-    def step(self, wait_s: float = 0.05) -> list[RequestState]:
-        """Wait briefly for progress; -> the requests that finished since the last step."""
-        with self._cond:
-            if not self._done:
-                self._cond.wait(wait_s)
-            done, self._done = self._done, []
-        self.stats["steps"] += 1
-        return done
-
-    def apply_swap(self) -> bool:
-        return False  # swaps go live inside vLLM as soon as `swap` returns
+        policy = f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar"
+        k_blk = num_spec + 1 if drafter is not None else 1
+        super().__init__(server, drafter, version, policy, k_blk, max_batch, token_budget, max_model_len)
+        self.work_dir, self.mask_token_id = Path(work_dir), mask_token_id
 
     def swap(self, drafter, head=None, version: str = "0") -> None:
         """Load a checked drafter into the running vLLM (between two of its steps); raises if vLLM refuses."""
         from adaflash.dflash_format import export_dflash
+        from adaflash.engine import DrafterSlot
 
         if self.slot.drafter is None:
             raise ValueError("this vLLM server runs without a drafter: nothing to swap")
@@ -276,11 +165,7 @@ class VLLMEngine:
         self.stats["swaps"] += 1
         self.stats["last_swap_s"] = round(took, 3)
 
-    trajectory = staticmethod(Engine.trajectory)  # the same row as the built-in engine's (every vLLM round is a drafter round)
-
-    # ----------------------------------------------------------------- one request
-
-    def _stream(self, st: RequestState) -> None:
+    def _request(self, st) -> tuple[str | None, list[Round]]:
         req = st.req
         body = {
             "model": "target",
@@ -294,49 +179,27 @@ class VLLMEngine:
             "skip_special_tokens": False,
         }
         finish, spec = None, None
-        try:
-            with self._client.stream("POST", self.server.url + "/v1/completions", json=body) as r:
-                with self._cond:
-                    self._responses[req.request_id] = r
-                if r.status_code != 200:
-                    raise RuntimeError(f"vLLM answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
-                for line in r.iter_lines():
-                    if req.request_id in self._cancel:
-                        finish = "cancelled"
-                        break
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    spec = (chunk.get("metrics") or {}).get("speculative_decoding") or spec
-                    for choice in chunk.get("choices") or []:
-                        if choice.get("token_ids"):
-                            if not st.admitted:
-                                st.admitted, st.t_first = True, time.perf_counter()  # the first token is out
-                            st.out.extend(choice["token_ids"])
-                        if choice.get("finish_reason"):
-                            finish = {"abort": "cancelled"}.get(choice["finish_reason"], choice["finish_reason"])
-                    if req.stop is not None and finish != "cancelled" and (keep := req.stop(st.out)) is not None:
-                        del st.out[keep:]
-                        finish = "stop"  # a custom stop rule: leave the stream, vLLM aborts the request
-                        break
-                    with self._cond:
-                        self._cond.notify_all()
-        except Exception as e:  # vLLM gone or refused: this request fails, the server keeps serving
-            if req.request_id in self._cancel:
-                finish = "cancelled"
-            else:
-                log.error("vLLM request %s failed: %s", req.request_id, e)
-                finish = "error"
-        st.rounds = _rounds(len(req.prompt_ids), len(st.out), spec)
-        self.stats["verify_tokens"] += sum(r.verify_len for r in st.rounds)
-        self.stats["committed"] += len(st.out)
-        st.finish_reason = finish or "stop"
-        with self._cond:
-            self._live.pop(req.request_id, None)
-            self._responses.pop(req.request_id, None)
-            self._cancel.discard(req.request_id)
-            self._done.append(st)
-            self._cond.notify_all()
+        with self._open(st, "/v1/completions", body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"vLLM answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+            for line in r.iter_lines():
+                if req.request_id in self._cancel:
+                    finish = "cancelled"
+                    break
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                spec = (chunk.get("metrics") or {}).get("speculative_decoding") or spec
+                for choice in chunk.get("choices") or []:
+                    if choice.get("token_ids"):
+                        self._progress(st, choice["token_ids"])
+                    if choice.get("finish_reason"):
+                        finish = {"abort": "cancelled"}.get(choice["finish_reason"], choice["finish_reason"])
+                if req.stop is not None and finish != "cancelled" and (keep := req.stop(st.out)) is not None:
+                    del st.out[keep:]
+                    finish = "stop"  # a custom stop rule: leave the stream, vLLM aborts the request
+                    break
+        return finish, _rounds(len(req.prompt_ids), len(st.out), spec)
 
 
 def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round]:
@@ -387,7 +250,7 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
         export_dflash(drafter, draft_dir, v.mask_token_id, torch.float32)
     ctx = target.model.config.max_position_embeddings
     max_len = min(e.max_model_len or ctx, ctx)
-    port = v.port or _free_port()
+    port = v.port or free_port()
     server = VLLMServer(
         python,
         stock_hf_dir(m.target),
@@ -405,11 +268,3 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
     )
     server.start(v.startup_timeout_s)
     return VLLMEngine(server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work, v.mask_token_id)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
