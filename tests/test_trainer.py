@@ -390,6 +390,21 @@ def test_update_round_registers_gates_and_rolls_back(tmp_path, served, mlflow_se
     assert state["weights_tag"] == "champion-v2" and state["base_version"] == "2" and state["champion"] == "2"
     assert any("champion moved to v2 outside the trainer" in x for x in lines)
 
+    # a rollback while a round trains wins: the round's version is registered, not promoted over it
+    trainer.cfg.gate.tolerance = 100.0
+    train = trainer._train
+
+    def rollback_midway(*a, **k):
+        out = train(*a, **k)
+        reg.set_champion("1")
+        return out
+
+    trainer._train = rollback_midway
+    shutil.copy(served["root"] / served["shards"][0], tmp_path / "buffer" / f"node9-{served['shards'][0]}")  # a 4th round's shard
+    assert trainer.run(1) == 1
+    v4 = reg.versions()[3]
+    assert reg.champion() == "1" and v4["tags"]["gate"] == "rejected" and "champion moved to v1" in v4["tags"]["reason"]
+
 
 def test_head_only_rounds_leave_the_drafter_as_served_and_fit_the_head(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir):
     """loss.kind "head": no distillation, the published drafter is the served one bit for bit (in the save dtype),

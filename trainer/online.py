@@ -594,6 +594,9 @@ class OnlineTrainer:
         version = self._version_of_run(p["run_id"])  # registered before a crash: never register twice
         if version is None:
             version = self.registry.register(p["export"], run_id=p["run_id"], tags=p["tags"])
+        current = self.registry.champion()
+        if s["promote"] and current not in (self.state["champion"], version):  # moved outside the trainer mid-round
+            s = {**s, "promote": False, "reason": f"champion moved to v{current} outside the trainer during the round (a rollback wins)"}
         if s["promote"]:
             self.registry.set_champion(version)
             self.registry.tag_version(version, "gate", "promoted")
