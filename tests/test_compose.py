@@ -113,6 +113,11 @@ def test_compose_configs_differ_from_the_host_ones_only_in_wiring():
     for host, comp, wiring in [
         ("serve_smollm2", "serve_compose", {"host", "trajectories.buffer_dir", "registry.tracking_uri", "registry.cache_dir"}),
         ("online_smollm2", "online_compose", {"buffer.dir", "checkpoint.dir", "mlflow.tracking_uri"}),
+        (
+            "serve_sglang",
+            "serve_compose_sglang",
+            {"host", "trajectories.buffer_dir", "registry.tracking_uri", "registry.cache_dir", "sglang.python", "sglang.work_dir"},
+        ),
     ]:
         a = flat(yaml.safe_load((REPO / "configs" / f"{host}.yaml").read_text()))
         b = flat(yaml.safe_load((REPO / "configs" / f"{comp}.yaml").read_text()))
@@ -162,6 +167,11 @@ def test_gpu_profile(full):
         (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
     assert "server" in full["services"]["server-gpu"]["networks"]["default"]["aliases"]
+    gpu = full["services"]["server-gpu"]  # serves through stock SGLang, from the image that has it
+    assert gpu["build"]["args"]["WITH_SGLANG"] == "1"
+    cfg = load_config(REPO / _parse(gpu["command"]).config, ServeConfig)
+    assert cfg.backend == "sglang" and cfg.sglang.python == "/opt/sglang/bin/python"
+    assert "/opt/sglang" in (REPO / "Dockerfile").read_text()
 
 
 def test_invalid_compose_is_rejected(tmp_path):
