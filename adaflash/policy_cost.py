@@ -20,7 +20,8 @@ labels are free, accepted positions 1, the first rejected 0, later ones unobserv
 - before drafting (`select`, `plan_drafts`): from the position and the request's running acceptance,
   which requests draft at all and how long a block the drafter runs. A request where no draft pays
   skips the drafter pass and verifies its anchor alone; it is drafted again as a probe after 4, 8, ..
-  64 skipped steps, so a request whose text turns predictable is picked up again;
+  64 skipped steps (on every 4th step, so that probes share a drafter pass), so a request whose text
+  turns predictable is picked up again;
 - after drafting (`lengths`, `choose_lengths`): adds the drafter's own confidence per position (top-1
   probability over the draft vocabulary) and picks the verify lengths; the drafting cost is spent by
   then. (The length head's block prediction added nothing on held-out rounds where the confidence is
@@ -38,6 +39,7 @@ from adaflash.cost import StepCost, load_or_calibrate
 from adaflash.engine import RequestState, VerifyPolicy
 
 EPS = 1e-4
+PROBE_SYNC = 4  # undrafted requests are probed on every 4th step only, together
 PRIOR_NAMES = ("bias", "log_pos", "running")  # features before drafting
 BLOCK_NAMES = ("bias", "confidence", "log_pos", "running")  # after drafting
 
@@ -239,6 +241,7 @@ class CostPolicy(VerifyPolicy):
         self.pending: dict[str, _Pending] = {}
         self.skipped: dict[str, int] = {}  # request -> steps skipped since it last drafted
         self.probe_every: dict[str, int] = {}
+        self.steps = 0  # `select` calls: probes fall on every PROBE_SYNC-th
         self.forced: set[str] = set()
         self._batch: tuple[int, int] | None = None  # this step's (requests, tokens) with every drafting request at its anchor
         self._block = block_size
@@ -253,6 +256,7 @@ class CostPolicy(VerifyPolicy):
         """Which of `states` draft this step; `others`: (requests, tokens) the step verifies besides them
         (prompt-lookup chains). Sets the block length `draft_len` returns."""
         ids = [s.req.request_id for s in states]
+        self.steps += 1
         n_req, n_tok = len(states) + others[0], len(states) + others[1]
         self._batch = (n_req, n_tok)
         force = torch.tensor([self._probe_due(i) for i in ids], dtype=torch.bool)
@@ -268,7 +272,9 @@ class CostPolicy(VerifyPolicy):
         return plan.draft.tolist()
 
     def _probe_due(self, rid: str) -> bool:
-        return self.skipped.get(rid, 0) >= self.probe_every.get(rid, 4)
+        """Its back-off has elapsed, on a step of the shared cadence: the probes of many requests then
+        share one drafter pass instead of each paying one in a step of its own."""
+        return self.skipped.get(rid, 0) >= self.probe_every.get(rid, 4) and self.steps % PROBE_SYNC == 0
 
     def _after_plan(self, rid: str, drafts: bool) -> None:
         if rid in self.forced:  # a probe: if it still does not pay, wait twice as long for the next

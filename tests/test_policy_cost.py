@@ -282,7 +282,12 @@ def test_skipped_requests_are_probed_with_backoff():
     policy.prior = AcceptanceModel([0.0, 0.0, 1.0], prior=1e6)  # pinned: P = running acceptance
     st = [RequestState(Request("a", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator())]
     drafted = [i for i in range(40) if policy.select(st)[0]]
-    assert drafted == [4, 13, 30]  # after 4 skipped steps, then 8, then 16
+    assert drafted == [7, 19, 39]  # after 4 skipped steps, then 8, then 16, each on the next 4th step
+    late = [RequestState(Request(r, [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for r in ("b", "c")]
+    policy.running.update(["b", "c"], torch.tensor([0.0, 0.0]), torch.tensor([30.0, 30.0]))
+    policy.select(late[:1])  # "b" joins a step before "c": their probes still fall on the same step
+    picks = [policy.select(late) for _ in range(12)]
+    assert [i for i, p in enumerate(picks) if any(p)] == [i for i, p in enumerate(picks) if all(p)] != []
 
 
 # ----------------------------------------------------------------------------- offline evaluation
