@@ -160,8 +160,9 @@ class StepCost:
 
 
 # ----------------------------------------------------------------------------- calibration
-TARGET_GRID = ((1, 1), (1, 4), (1, 8), (1, 16), (1, 32), (4, 1), (4, 4), (8, 1), (8, 4), (8, 8))  # (requests, tokens each)
-DRAFTER_GRID = ((1, 2), (1, 16), (4, 4), (8, 2), (8, 8))  # (requests drafted, block length)
+# (requests, tokens each), up to the batch sizes the engine serves (a fit only interpolates well)
+TARGET_GRID = ((1, 1), (1, 4), (1, 8), (1, 16), (1, 32), (4, 1), (4, 4), (8, 1), (8, 4), (8, 8), (16, 1), (32, 1), (32, 2))
+DRAFTER_GRID = ((1, 2), (1, 16), (4, 4), (8, 2), (8, 8), (32, 2), (32, 4))  # (requests drafted, block length)
 
 
 def _seconds(fn) -> float:
@@ -175,7 +176,7 @@ def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) 
     """Time verification and drafting over TARGET_GRID / DRAFTER_GRID on dummy requests with a
     `context`-token prompt each (one packed prefill, then every point verifies and rolls back), the
     fastest of `reps` sweeps over the whole grid per point (a burst of other work then slows one sweep,
-    not every repetition of one point). About 5 s for SmolLM2 on two idle CPU cores."""
+    not every repetition of one point). About 8 s for SmolLM2 on two idle CPU cores."""
     g = torch.Generator().manual_seed(seed)
     dev = target.lm_head.weight.device
     n_req = max(r for r, _ in TARGET_GRID + DRAFTER_GRID)
