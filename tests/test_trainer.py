@@ -336,6 +336,24 @@ def test_draft_vocab_head_trains_through_its_rows_only(served, supervised, tiny_
     assert heldout_tau(engine, supervised[1], 4, 6, 4, vocab)["tau"] == heldout_tau(served_full, supervised[1], 4, 6, 4)["tau"]
 
 
+def test_bf16_features_change_no_autocast_step(served, supervised, tiny_drafter_dir):
+    """supervise(feats_dtype=bf16) stores the features rounded to bf16, and under bf16 autocast (when the
+    trainer asks for them) the drafter's training forward is bit-identical to the fp32 features'."""
+    t = served["target"]
+    seqs = [Sequence(s.request_id, s.domain, s.tokens, s.anchors) for s in supervised[0][:2]]
+    supervise(t.model, seqs, chunk=4, feats_dtype=torch.bfloat16)
+    for s, ref in zip(seqs, supervised[0][:2]):
+        assert s.feats.dtype == torch.bfloat16 and torch.equal(s.feats, ref.feats.to(torch.bfloat16))
+        assert s.hidden.dtype == ref.hidden.dtype and torch.equal(s.hidden, ref.hidden)  # the teacher's states stay exact
+    drafter = load_drafter(tiny_drafter_dir, t.model, t.identity, torch.float32)
+    outs = []
+    for part in (seqs, supervised[0][:2]):
+        batch = make_batch([(s, s.anchors) for s in part], 4)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(recipe.block_logits(drafter, batch))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_heldout_tau_rises_when_training_on_the_same_distribution(served, supervised, tiny_drafter_dir):
     """The data path end to end: recorded anchors -> teacher -> OPD steps -> teacher-forced held-out tau."""
     cfg = from_dict(OnlineConfig, {"train": {"lr": 3e-3}})
