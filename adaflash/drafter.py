@@ -13,7 +13,8 @@ actually emits, `adaflash draft-vocab`), stored beside the weights as `draft_voc
 LM head is then those rows of the target's head only (SmolLM2: 8,192 of 49,152 rows); on a CPU the
 full head is a large part of drafting. Verification still uses the target's full vocabulary, so output is
 unchanged (greedy) or still the target's distribution (sampling: q is zero outside the subset); a
-token outside the subset just cannot be drafted. Training always uses the full head.
+token outside the subset just cannot be drafted. Training computes those rows only too
+(`loss.vocab`, adaflash/recipe.py).
 """
 
 from __future__ import annotations

@@ -16,6 +16,23 @@ for all three:
 A batch is right-padded: tokens [B, T], feats [B, T, n*H] (the target-layer features), anchors
 [B, NB] (-1 = unused), lengths [B]; distillation batches (the online trainer's data path) add the
 teacher rows tgt_hidden [B, NB, K-1, H], tgt_next [B, NB, K-1], valid [B, NB, K-1] and full [B, NB].
+
+Draft-vocabulary head (`loss.vocab: draft`, the default): a drafter with a draft vocabulary (Vd of V ids,
+SmolLM2: 8,192 of 49,152) only ever proposes those tokens, and what it serves is the softmax over them. So
+training computes only those Vd rows of the LM head, for the drafter and for the teacher, and every loss
+sees the distribution the drafter serves:
+    ce       labels outside the draft vocabulary are masked (such a position can never be drafted; under the
+             full head its gradient only pushed mass toward tokens the drafter can never propose); the
+             accuracy metrics still count them as misses, as verification would
+    opd/osd  the teacher restricted to the draft vocabulary and renormalised (a log-softmax over the Vd
+             logits), not with its out-of-vocabulary mass m as an extra bucket: the drafter puts no mass on
+             that bucket, so forward KL (osd) against it is infinite, and reverse KL (opd) changes by the
+             constant -log(1 - m) only (no gradient). Renormalised, it is the minimiser over draft-vocabulary
+             distributions of either KL to the full teacher, and it maximises the sampling acceptance
+             1 - TV, which no draft-vocabulary distribution can lift above 1 - m. OPD's hard label is then the
+             teacher's top-1 within the draft vocabulary (its full top-1 is outside only where no draft
+             can be accepted greedily).
+`loss.vocab: full` (or a drafter without a draft vocabulary) trains on all V rows, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from adaflash.kernels.opd import CLIP_MODES
@@ -31,6 +49,7 @@ from adaflash.losses import ce_loss, length_head_loss, opd_loss, osd_loss
 from adaflash.spec import accepted_length
 
 DISTILL = ("opd", "osd")  # the loss kinds that read the target's logits
+VOCABS = ("draft", "full")  # loss.vocab: the LM-head rows a step computes
 
 
 @dataclass
@@ -69,12 +88,15 @@ class LossSection:
     clip_mode: str = "vocab"  # "vocab": clip every vocabulary term (the mission's choice), "token": the row sum
     gamma: float = 7.0  # position weight exp(-(k-1)/gamma)
     head_weight: float = 1.0  # weight of the length-head MSE (its gradients reach only the head)
+    vocab: str = "draft"  # "draft": LM-head rows of the drafter's draft vocabulary only (module docstring), "full": all V
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {self.kind!r}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.vocab not in VOCABS:
+            raise ValueError(f"vocab must be one of {VOCABS}, got {self.vocab!r}")
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
         if self.temperature <= 0 or self.gamma <= 0:
@@ -120,33 +142,71 @@ def block_labels(tokens: Tensor, anchors: Tensor, lengths: Tensor, k_blk: int) -
     return labels, valid
 
 
-def block_logits(drafter, batch: dict) -> Tensor:
-    """The drafter's draft logits at every anchored block of `batch`.  -> [B, NB, K-1, V]"""
-    return drafter.lm_head(drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"]))
+def train_vocab(drafter, mode: str) -> Tensor | None:
+    """The full-vocabulary ids [Vd] a step's logit columns stand for: the drafter's draft vocabulary under
+    mode (loss.vocab) "draft", None (all V, column j = token j) under "full" or for a drafter without one."""
+    return drafter.vocab if mode == "draft" else None
+
+
+def vocab_head(drafter, vocab: Tensor | None):
+    """The drafter's frozen LM head for `vocab` (train_vocab's answer): its draft rows or the full head."""
+    return drafter.lm_head if vocab is None else drafter.draft_head
+
+
+def block_logits(drafter, batch: dict, vocab: Tensor | None = None) -> Tensor:
+    """The drafter's draft logits at every anchored block of `batch`, over `vocab` (train_vocab's answer).
+    -> [B, NB, K-1, V], or [B, NB, K-1, Vd] with a draft vocabulary"""
+    h = drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])  # [B, NB, K-1, H]
+    return vocab_head(drafter, vocab)(h)
 
 
 @torch.no_grad()
-def teacher_logits(target, batch: dict) -> Tensor:
-    """The frozen target's logits at the batch's block positions: its LM head on the final-norm states
-    the teacher forward recorded (batch["tgt_hidden"]).  -> [B, NB, K-1, V] fp32"""
-    return target.lm_head(batch["tgt_hidden"]).float()
+def teacher_logits(target, batch: dict, vocab: Tensor | None = None) -> Tensor:
+    """The frozen target's logits at the batch's block positions: its LM head (the `vocab` rows only, when
+    given) on the final-norm states the teacher forward recorded (batch["tgt_hidden"]).
+    -> [B, NB, K-1, V] fp32, or [B, NB, K-1, Vd] with a vocab"""
+    if vocab is None:
+        return target.lm_head(batch["tgt_hidden"]).float()
+    return F.linear(batch["tgt_hidden"], target.lm_head.weight[vocab]).float()
+
+
+def draft_ids(logits: Tensor, vocab: Tensor | None) -> Tensor:
+    """Greedy drafts as full-vocabulary ids: logits [..., V or Vd] over `vocab` -> [...]."""
+    j = logits.argmax(-1)
+    return j if vocab is None else vocab[j]
+
+
+def in_vocab(labels: Tensor, vocab: Tensor) -> tuple[Tensor, Tensor]:
+    """Full-vocabulary ids [...] -> (their column in the sorted draft vocabulary [...] (0 when outside),
+    whether they are in it [...])."""
+    j = torch.searchsorted(vocab, labels).clamp(max=vocab.numel() - 1)
+    inside = vocab[j] == labels
+    return j.masked_fill(~inside, 0), inside
 
 
 def loss_step(
-    logits: Tensor, batch: dict, loss: LossSection, tgt_logits: Tensor | None = None, pred: Tensor | None = None, metrics: bool = True
+    logits: Tensor,
+    batch: dict,
+    loss: LossSection,
+    tgt_logits: Tensor | None = None,
+    pred: Tensor | None = None,
+    metrics: bool = True,
+    vocab: Tensor | None = None,
 ) -> dict:
-    """The recipe's loss on one batch: the drafter's logits [B, NB, K-1, V], the target's tgt_logits
-    [B, NB, K-1, V] (opd/osd), the length head's prediction pred [B, NB] or None
+    """The recipe's loss on one batch: the drafter's logits [B, NB, K-1, V'], the target's tgt_logits
+    [B, NB, K-1, V'] (opd/osd), the length head's prediction pred [B, NB] or None; V' = V, or Vd when the
+    columns are the draft vocabulary `vocab` [Vd] (module docstring: ce masks labels outside it)
     -> {"loss": scalar with grad, name: metric}. For ce, `metrics` adds the accuracy at block position 1
-    and the greedy accepted length (an argmax over V: costly). With a head, the head's MSE on full blocks
+    and the greedy accepted length (an argmax over V': costly). With a head, the head's MSE on full blocks
     against the drafter's own acceptance label is added (the head's input is detached: it reaches the head only)."""
     k_blk = logits.shape[2] + 1
     if loss.kind == "ce":
         labels, valid = block_labels(batch["tokens"], batch["anchors"], batch["lengths"], k_blk)  # [B, NB, K-1] x2
-        out = ce_loss(logits.flatten(0, 1), labels.flatten(0, 1), valid.flatten(0, 1), loss.gamma)
+        cols, trained = (labels, valid) if vocab is None else in_vocab(labels, vocab)  # [B, NB, K-1] x2
+        out = ce_loss(logits.flatten(0, 1), cols.flatten(0, 1), (valid & trained).flatten(0, 1), loss.gamma)
         if metrics:
             with torch.no_grad():
-                draft = logits.argmax(-1)  # [B, NB, K-1]
+                draft = draft_ids(logits, vocab)  # [B, NB, K-1]
                 acc_pos = ((draft == labels) & valid).sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)  # [K-1]
                 acc_len = accepted_length(draft.masked_fill(~valid, -1), labels)[batch["anchors"] >= 0]  # [blocks], as verified
             out.update(acc_pos1=float(acc_pos[0]), acc_len=float(acc_len.float().mean()))
@@ -162,7 +222,7 @@ def loss_step(
         return out
     full = batch["full"].flatten()  # [N]
     with torch.no_grad():
-        acc = accepted_length(logits.flatten(0, 1).argmax(-1), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
+        acc = accepted_length(draft_ids(logits.flatten(0, 1), vocab), batch["tgt_next"].flatten(0, 1))  # [N]: the drafter's own label
     head = length_head_loss(pred.flatten()[full], acc[full], k_blk) if full.any() else pred.sum() * 0.0
     terms = {k: float(v) for k, v in out.items() if k != "loss"}
     terms.update(
@@ -182,16 +242,20 @@ def train_step(
     autocast: bool = False,
     clip: Callable | None = None,
     metrics: bool = True,
+    vocab: Tensor | None = None,
 ) -> dict:
     """One optimizer step of the DeepSpeed `engine` on `batch` -> loss_step's terms as numbers, "loss" last.
-    forward(batch) -> (draft logits, head prediction or None); default: the engine's drafter, no head.
-    teacher: the frozen target (opd/osd). clip(engine) -> {metric: value}: clipping between backward and
-    step when DeepSpeed does not clip (per parameter group)."""
+    forward(batch) -> (draft logits over `vocab`, head prediction or None); default: the engine's drafter
+    over train_vocab(drafter, loss) (`vocab` is then ignored), no head. teacher: the frozen target (opd/osd).
+    clip(engine) -> {metric: value}: clipping between backward and step when DeepSpeed does not clip (per
+    parameter group)."""
     engine.train()
-    tgt_logits = teacher_logits(teacher, batch) if loss.kind in DISTILL else None
+    if forward is None:
+        vocab = train_vocab(engine.module, loss.vocab)
+    tgt_logits = teacher_logits(teacher, batch, vocab) if loss.kind in DISTILL else None
     with torch.autocast(batch["tokens"].device.type, dtype=torch.bfloat16, enabled=autocast):
-        logits, pred = forward(batch) if forward is not None else (block_logits(engine.module, batch), None)
-    out = loss_step(logits, batch, loss, tgt_logits, pred, metrics)
+        logits, pred = forward(batch) if forward is not None else (block_logits(engine.module, batch, vocab), None)
+    out = loss_step(logits, batch, loss, tgt_logits, pred, metrics, vocab)
     engine.backward(out["loss"])
     clipped = clip(engine) if clip is not None else {}
     engine.step()

@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from adaflash.config import to_dict
 from adaflash.distributed import from_rank0, init_distributed
-from adaflash.drafter import Drafter, DrafterConfig
-from adaflash.recipe import LossSection, StepSection, deepspeed_config, train_step
+from adaflash.drafter import DRAFT_VOCAB, Drafter, DrafterConfig
+from adaflash.recipe import VOCABS, LossSection, StepSection, deepspeed_config, train_step
 from adaflash.target import Target, load_target
 
 STAGES = ("prompts", "regenerate", "train", "export", "eval")
@@ -64,10 +64,14 @@ class DrafterSection:
     block_size: int = 16
     init: str = "random"  # "random", or "target-last": start from the target's last layers (see init_from_target)
     qk_norm: bool = True  # per-head q/k RMSNorm (Qwen3 style); match the target's style when init is target-last
+    draft_vocab: str | None = None  # a drafter directory whose draft vocabulary the new drafter drafts from
+    #                                 (trained with that head under train.vocab draft, exported with it); None = all
 
     def __post_init__(self):
         if self.init not in ("random", "target-last"):
             raise ValueError(f"init must be 'random' or 'target-last', got {self.init!r}")
+        if self.draft_vocab is not None and not (Path(self.draft_vocab) / DRAFT_VOCAB).exists():
+            raise ValueError(f"drafter.draft_vocab: {self.draft_vocab}/{DRAFT_VOCAB} is missing (make it with `adaflash draft-vocab`)")
 
 
 @dataclass
@@ -83,6 +87,7 @@ class TrainSection(StepSection):
     time_limit_min: float | None = None  # checkpoint and stop after this long (resume later)
     domains: list[str] | None = None  # train only on answers of these domains (None = all regenerated)
     features: str = "stored"  # "stored": read the regenerated features; "target": recompute them each step (GPU)
+    vocab: str = "draft"  # LM-head rows trained with drafter.draft_vocab: "draft" (labels outside it masked) or "full"
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,6 +95,8 @@ class TrainSection(StepSection):
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.features not in ("stored", "target"):
             raise ValueError(f"train.features must be 'stored' or 'target', got {self.features!r}")
+        if self.vocab not in VOCABS:
+            raise ValueError(f"train.vocab must be one of {VOCABS}, got {self.vocab!r}")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
 
@@ -206,6 +213,17 @@ def warmup_cosine(tc: TrainSection) -> dict:
 
 
 @torch.no_grad()
+def new_drafter(cfg: PretrainConfig, target: Target) -> Drafter:
+    """The configured drafter (random weights), with drafter.draft_vocab's draft vocabulary when set."""
+    dc = cfg.drafter
+    drafter = Drafter(DrafterConfig.for_target(target.model, target.identity, dc.num_layers, dc.block_size, dc.qk_norm), target.model)
+    if dc.draft_vocab is not None:
+        from safetensors.torch import load_file
+
+        drafter.set_vocab(load_file(str(Path(dc.draft_vocab) / DRAFT_VOCAB))["ids"])
+    return drafter
+
+
 def init_from_target(drafter: Drafter, target: Target) -> None:
     """Start the drafter from the target's own last layers and final norm, with `fc` passing the
     deepest feature layer through: a language-aware starting point (on SmolLM2 it reached the loss a
@@ -247,9 +265,8 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
     tc = cfg.train
     data = AnswerSet(answers_path(cfg), cfg.train.domains, features=tc.features == "stored")
     dev = target.model.lm_head.weight.device
-    dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size, cfg.drafter.qk_norm)
     torch.manual_seed(tc.seed)
-    drafter = Drafter(dcfg, target.model)
+    drafter = new_drafter(cfg, target)
     if cfg.drafter.init == "target-last":
         if cfg.drafter.qk_norm != target.model.config.qk_norm:
             raise ValueError(
@@ -268,7 +285,7 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
     log_path = run_dir / "train_log.jsonl"
     per_epoch = max(1, len(data) // (tc.seqs_per_step * world))
     t0, started = time.perf_counter(), step
-    loss = LossSection(kind="ce", gamma=tc.gamma)  # DFlash: the text's own next tokens
+    loss = LossSection(kind="ce", gamma=tc.gamma, vocab=tc.vocab)  # DFlash: the text's own next tokens
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=rank != 0)
     while step < tc.max_steps:
         epoch, idx = divmod(step, per_epoch)
@@ -317,8 +334,7 @@ def export(cfg: PretrainConfig, target: Target, run_dir: Path) -> Path:
     from safetensors.torch import load_file
 
     state = load_file(str(ckpt / tag / "drafter.safetensors"))
-    dcfg = DrafterConfig.for_target(target.model, target.identity, cfg.drafter.num_layers, cfg.drafter.block_size, cfg.drafter.qk_norm)
-    drafter = Drafter(dcfg, target.model)
+    drafter = new_drafter(cfg, target)
     drafter.load_state_dict(state)
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     extra = {

@@ -289,3 +289,70 @@ def test_accepted_length():
     assert accepted_length(draft, target).tolist() == [4, 2, 0, 1]
     assert accepted_length(draft, target).dtype == torch.int64
     assert accepted_length(torch.zeros(0, 3), torch.zeros(0, 3)).shape == (0,)
+
+
+# ----------------------------------------------------------------------------- draft-vocabulary head (recipe)
+VOCAB = torch.tensor([0, 2, 3, 5, 7, 9])  # draft vocabulary: 6 of V = 10 ids
+
+
+def draft_vocab_batch(k_blk: int = 4) -> dict:
+    """Two right-padded sequences with 3 anchors each; labels hit ids inside and outside VOCAB."""
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 10, (2, 12))
+    return {"tokens": tokens, "anchors": torch.tensor([[0, 4, 8], [1, 5, -1]]), "lengths": torch.tensor([12, 9])}
+
+
+def test_draft_vocab_ce_masks_labels_outside_and_matches_reference():
+    """ce over the draft-vocabulary columns = plain cross-entropy of the softmax over VOCAB at the in-vocabulary
+    labels (w_k-weighted); labels outside VOCAB are left out of the loss and count as misses in the metrics."""
+    from adaflash.recipe import LossSection, block_labels, loss_step
+
+    batch, k_blk, gamma = draft_vocab_batch(), 4, 7.0
+    full = torch.randn(2, 3, k_blk - 1, 10, dtype=torch.float64)
+    out = loss_step(full[..., VOCAB], batch, LossSection(kind="ce", gamma=gamma, vocab="draft"), vocab=VOCAB)
+    labels, valid = block_labels(batch["tokens"], batch["anchors"], batch["lengths"], k_blk)
+    num = den = 0.0
+    masked = 0
+    for b, nb, k in valid.nonzero().tolist():
+        label = int(labels[b, nb, k])
+        if label not in VOCAB.tolist():
+            masked += 1
+            continue
+        w = math.exp(-k / gamma)
+        num -= w * float(ref_log_softmax(full[b, nb, k, VOCAB])[VOCAB.tolist().index(label)])
+        den += w
+    assert masked and den
+    torch.testing.assert_close(out["loss"].item(), num / den, **TOL)
+    # the metrics map column j back to token VOCAB[j]: a block whose labels are all in VOCAB and whose logits
+    # peak at them is fully accepted; an out-of-vocabulary label stops acceptance there
+    peaked = torch.full((2, 3, k_blk - 1, len(VOCAB)), -5.0, dtype=torch.float64)
+    cols = torch.searchsorted(VOCAB, labels).clamp(max=len(VOCAB) - 1)
+    peaked.scatter_(-1, cols[..., None], 5.0)
+    inside = VOCAB[cols] == labels
+    acc = loss_step(peaked, batch, LossSection(kind="ce", gamma=gamma), vocab=VOCAB)["acc_pos1"]
+    first = valid[..., 0]
+    assert acc == pytest.approx(float((inside[..., 0] & first).sum() / first.sum()))
+
+
+@pytest.mark.parametrize("kind", ["opd", "osd"])
+def test_draft_vocab_distillation_is_the_renormalised_teacher(kind):
+    """opd/osd on the draft-vocabulary columns = the plain reference on the teacher restricted to VOCAB and
+    renormalised (a softmax over those columns), draft likewise; the hard label is the top-1 inside VOCAB."""
+    from adaflash.recipe import LossSection, loss_step
+
+    torch.manual_seed(2)
+    draft, target = torch.randn(2, 3, 3, 10, dtype=torch.float64), torch.randn(2, 3, 3, 10, dtype=torch.float64)
+    target[0, 0, 0, 1] = 50.0  # the full top-1 is outside VOCAB here
+    valid = torch.rand(2, 3, 3) > 0.2
+    batch = {"valid": valid}
+    out = loss_step(draft[..., VOCAB], batch, LossSection(kind=kind, clip=0.05), target[..., VOCAB], vocab=VOCAB)
+    d, t, v = draft[..., VOCAB].flatten(0, 1), target[..., VOCAB].flatten(0, 1), valid.flatten(0, 1)
+    ref = ref_opd(d, t, v, clip=0.05)[0] if kind == "opd" else ref_osd(d, t, v)
+    torch.testing.assert_close(out["loss"].item(), float(ref), **TOL)
+
+
+def test_vocab_option_is_checked():
+    from adaflash.recipe import LossSection
+
+    with pytest.raises(ValueError, match=r"vocab must be one of \('draft', 'full'\)"):
+        LossSection(vocab="half")

@@ -149,6 +149,12 @@ def test_config_errors(tmp_path):
     bad.write_text("train:\n  warmup_frac: 1.5\n")
     with pytest.raises(ConfigError, match="warmup_frac"):
         load_config(bad, PretrainConfig)
+    bad.write_text("train:\n  vocab: some\n")
+    with pytest.raises(ConfigError, match=r"train.vocab must be one of \('draft', 'full'\)"):
+        load_config(bad, PretrainConfig)
+    bad.write_text(f"drafter:\n  draft_vocab: {tmp_path}\n")
+    with pytest.raises(ConfigError, match="draft_vocab.safetensors is missing"):
+        load_config(bad, PretrainConfig)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml", PretrainConfig)
 

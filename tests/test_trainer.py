@@ -259,7 +259,7 @@ def ds_engine(served, drafter_dir, cfg: OnlineConfig):
 
 def train_step(engine, target, batch, cfg) -> dict:
     clip = lambda e: {"grad_norms": recipe.clip_per_group(e, cfg.train.grad_clip)}  # noqa: E731
-    return recipe.train_step(engine, batch, cfg.loss, forward=engine, teacher=target.model, clip=clip)
+    return recipe.train_step(engine, batch, cfg.loss, forward=engine, teacher=target.model, clip=clip, vocab=engine.module.vocab)
 
 
 def test_drafter_and_head_gradients_are_clipped_apart(served, supervised, tiny_drafter_dir):
@@ -293,6 +293,65 @@ def test_loss_decreases_on_a_fixed_batch(served, supervised, tiny_drafter_dir):
     frozen = {k: v.clone() for k, v in engine.module.drafter.state_dict().items()}
     head = [train_step(engine, served["target"], batch, cfg)["head_loss"] for _ in range(4)]
     assert head[-1] < head[0] and all(torch.equal(v, engine.module.drafter.state_dict()[k]) for k, v in frozen.items())
+
+
+def test_draft_vocab_head_trains_through_its_rows_only(served, supervised, tiny_drafter_dir):
+    """loss.vocab draft: the teacher's and the drafter's logits are the draft-vocabulary columns of the full
+    head's; the loss's gradient reaches the full logits on those columns only, and the drafter's gradients
+    equal those through the full head gathered to the same columns. Held-out tau then scores the drafts
+    as served (argmax inside the draft vocabulary)."""
+    t = served["target"]
+    vocab = torch.arange(1, t.model.config.vocab_size, 3)  # a third of the ids
+    cfg = from_dict(OnlineConfig, {"train": {"lr": 1e-3}})
+    engine = ds_engine(served, tiny_drafter_dir, cfg)
+    drafter = engine.module.drafter
+    drafter.set_vocab(vocab)
+    assert torch.equal(engine.module.vocab, vocab)
+    batch = make_batch(train_items(supervised[0], 0, 0, 1, 2, 6, 0, 1), 4)
+    tgt = recipe.teacher_logits(t.model, batch, vocab)
+    torch.testing.assert_close(tgt, recipe.teacher_logits(t.model, batch)[..., vocab])
+    loss = from_dict(OnlineConfig, {}).loss
+    h = drafter(batch["feats"], batch["tokens"], batch["anchors"], batch["lengths"])  # [B, NB, K-1, H]
+    full = drafter.lm_head(h)  # [B, NB, K-1, V]
+    full.retain_grad()
+    recipe.loss_step(full[..., vocab], batch, loss, tgt, vocab=vocab)["loss"].backward()
+    outside = torch.ones(full.shape[-1], dtype=torch.bool)
+    outside[vocab] = False
+    assert full.grad[..., outside].abs().max() == 0 and full.grad[..., vocab].abs().sum() > 0
+    gathered = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    logits = recipe.block_logits(drafter, batch, vocab)  # [B, NB, K-1, Vd]
+    assert logits.shape[-1] == len(vocab)
+    recipe.loss_step(logits, batch, loss, tgt, vocab=vocab)["loss"].backward()
+    for n, p in drafter.named_parameters():
+        torch.testing.assert_close(p.grad, gathered[n], rtol=1e-4, atol=1e-6)
+    drafter.zero_grad()
+    assert train_step(engine, t, batch, cfg)["positions"] > 0  # the trainer's own step over the draft columns
+
+    def served_full(batch):  # the full head's logits with the columns a drafter never proposes at -inf
+        logits, pred = engine.module.drafter.lm_head(engine.module.blocks(batch)[0]), torch.zeros(batch["anchors"].shape)
+        return logits.masked_fill(outside, float("-inf")), pred
+
+    engine.eval()
+    assert heldout_tau(engine, supervised[1], 4, 6, 4, vocab)["tau"] == heldout_tau(served_full, supervised[1], 4, 6, 4)["tau"]
+
+
+def test_bf16_features_change_no_autocast_step(served, supervised, tiny_drafter_dir):
+    """supervise(feats_dtype=bf16) stores the features rounded to bf16, and under bf16 autocast (when the
+    trainer asks for them) the drafter's training forward is bit-identical to the fp32 features'."""
+    t = served["target"]
+    seqs = [Sequence(s.request_id, s.domain, s.tokens, s.anchors) for s in supervised[0][:2]]
+    supervise(t.model, seqs, chunk=4, feats_dtype=torch.bfloat16)
+    for s, ref in zip(seqs, supervised[0][:2]):
+        assert s.feats.dtype == torch.bfloat16 and torch.equal(s.feats, ref.feats.to(torch.bfloat16))
+        assert s.hidden.dtype == ref.hidden.dtype and torch.equal(s.hidden, ref.hidden)  # the teacher's states stay exact
+    drafter = load_drafter(tiny_drafter_dir, t.model, t.identity, torch.float32)
+    outs = []
+    for part in (seqs, supervised[0][:2]):
+        batch = make_batch([(s, s.anchors) for s in part], 4)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(recipe.block_logits(drafter, batch))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_heldout_tau_rises_when_training_on_the_same_distribution(served, supervised, tiny_drafter_dir):

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from adaflash.buffer import Trajectory
 from adaflash.losses import acceptance_label
+from adaflash.recipe import draft_ids
 from adaflash.spec import accepted_length
 from adaflash.target import TargetModel
 
@@ -78,8 +79,11 @@ def capture_output(module: nn.Module):
 
 
 @torch.no_grad()
-def supervise(target: TargetModel, seqs: list[Sequence], chunk: int) -> None:
-    """One target forward per sequence (packed `chunk` at a time): fills feats, hidden, target_next."""
+def supervise(target: TargetModel, seqs: list[Sequence], chunk: int, feats_dtype: torch.dtype | None = None) -> None:
+    """One target forward per sequence (packed `chunk` at a time): fills feats, hidden, target_next.
+    feats_dtype: store the features in this dtype (bf16 when the drafter trains under bf16 autocast: its
+    `fc` reads them in bf16 anyway, so the steps are unchanged and a round holds half the bytes);
+    hidden stays in the target's dtype (the teacher's logits are computed from it)."""
     for i in range(0, len(seqs), chunk):
         part = seqs[i : i + chunk]
         caches = [target.new_cache(1, len(s.tokens)) for s in part]
@@ -89,7 +93,7 @@ def supervise(target: TargetModel, seqs: list[Sequence], chunk: int) -> None:
         a = 0
         for s, lg, f in zip(part, logits, feats):
             n = len(s.tokens)
-            s.feats, s.hidden, s.target_next = f, hidden[a : a + n].clone(), lg.argmax(-1)
+            s.feats, s.hidden, s.target_next = f.to(feats_dtype or f.dtype), hidden[a : a + n].clone(), lg.argmax(-1)
             a += n
 
 
@@ -161,12 +165,15 @@ def eval_items(seqs: list[Sequence], k_blk: int, anchors_per_item: int) -> list[
 
 
 @torch.no_grad()
-def heldout_tau(forward, seqs: list[Sequence], k_blk: int, anchors_per_item: int, items_per_batch: int) -> dict:
+def heldout_tau(
+    forward, seqs: list[Sequence], k_blk: int, anchors_per_item: int, items_per_batch: int, vocab: Tensor | None = None
+) -> dict:
     """Teacher-forced tau on held-out sequences: 1 + mean accepted length of the drafter's block argmax
     against the target's argmax over full blocks at the recorded anchors, overall and per domain;
     plus the length head's MAE against the acceptance label of this drafter.
 
-    `forward(batch)` -> (draft logits [B, NB, K-1, V], head prediction [B, NB]).
+    `forward(batch)` -> (draft logits [B, NB, K-1, V], or [B, NB, K-1, Vd] over the draft vocabulary
+    `vocab` [Vd]: the argmax is then the draft as served, head prediction [B, NB]).
     """
     acc_by_dom: dict[str, list[Tensor]] = defaultdict(list)
     errs = []
@@ -176,7 +183,7 @@ def heldout_tau(forward, seqs: list[Sequence], k_blk: int, anchors_per_item: int
         batch = make_batch(part, k_blk)
         logits, pred = forward(batch)
         full = batch["full"]  # [B, NB]
-        acc = accepted_length(logits.argmax(-1), batch["tgt_next"])  # [B, NB]
+        acc = accepted_length(draft_ids(logits, vocab), batch["tgt_next"])  # [B, NB]
         errs.append((pred.float() - acceptance_label(acc, k_blk))[full].abs())
         for row, (s, _) in enumerate(part):
             acc_by_dom[s.domain].append(acc[row][full[row]])

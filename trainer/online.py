@@ -69,7 +69,7 @@ from adaflash.config import to_dict
 from adaflash.distributed import from_rank0, init_distributed
 from adaflash.drafter import Drafter, load_drafter, load_drafter_and_head
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, load_length_head, save_length_head
-from adaflash.recipe import clip_per_group, deepspeed_config, train_step
+from adaflash.recipe import clip_per_group, deepspeed_config, train_step, train_vocab, vocab_head
 from adaflash.spec import accepted_length
 from adaflash.target import load_target
 
@@ -90,9 +90,14 @@ class RoundData:
 class OnlineModel(nn.Module):
     """What the DeepSpeed engine trains: the drafter and its length head (two parameter groups)."""
 
-    def __init__(self, drafter: Drafter, head: LengthHead):
+    def __init__(self, drafter: Drafter, head: LengthHead, vocab_mode: str = "draft"):
         super().__init__()
-        self.drafter, self.head = drafter, head
+        self.drafter, self.head, self.vocab_mode = drafter, head, vocab_mode
+
+    @property
+    def vocab(self) -> Tensor | None:
+        """The full-vocabulary ids [Vd] of forward's logit columns (loss.vocab, `recipe.train_vocab`), None = all V."""
+        return train_vocab(self.drafter, self.vocab_mode)
 
     def blocks(self, batch: dict) -> tuple[Tensor, Tensor]:
         """-> (draft states [B, NB, K-1, H], final-norm states of all K block positions [B*NB, K, H],
@@ -103,10 +108,10 @@ class OnlineModel(nn.Module):
         return h, seen[-1].view(b * nb, self.drafter.block_size, -1)
 
     def forward(self, batch: dict) -> tuple[Tensor, Tensor]:
-        """-> (draft logits [B, NB, K-1, V], head prediction [B, NB]). The head's input is detached:
-        its loss never reaches the drafter."""
+        """-> (draft logits [B, NB, K-1, V] or [B, NB, K-1, Vd] over `vocab`, head prediction [B, NB]).
+        The head's input is detached: its loss never reaches the drafter."""
         h, block = self.blocks(batch)
-        return self.drafter.lm_head(h), self.head(block.float()).view(batch["anchors"].shape)
+        return vocab_head(self.drafter, self.vocab)(h), self.head(block.float()).view(batch["anchors"].shape)
 
 
 @torch.no_grad()
@@ -208,7 +213,7 @@ class OnlineTrainer:
                 f"{drafter.block_size}-blocks: start from a whole-block head (adaflash fit-head without --draft-len)"
             )
         frozen = cfg.loss.kind == "head"  # only the length head learns; the drafter is served as it is
-        model = OnlineModel(drafter.requires_grad_(not frozen), head.requires_grad_(True))
+        model = OnlineModel(drafter.requires_grad_(not frozen), head.requires_grad_(True), cfg.loss.vocab)
         groups = [] if frozen else [{"params": list(drafter.parameters()), "lr": cfg.train.lr}]
         groups.append({"params": list(head.parameters()), "lr": cfg.train.head_lr, "weight_decay": 0.0})
         self.groups = ["head"] if frozen else ["drafter", "head"]  # names of the optimizer's parameter groups
@@ -425,7 +430,7 @@ class OnlineTrainer:
         """Step 3: the teacher once, held-out tau before, the optimizer steps, the head refit, held-out tau
         after. -> {before, after, steps, refit}."""
         t, r = self.cfg.train, data.round
-        supervise(self.target.model, data.train + data.held, t.eval_seqs)
+        supervise(self.target.model, data.train + data.held, t.eval_seqs, torch.bfloat16 if t.autocast_bf16 else None)
         before = self._eval(data.held)
         steps = [self._step(data.train, r, i, run_id) for i in range(self.cfg.round_size(r)[1])] if data.train else []
         refit = refit_head(self.engine.module, data.train, self.k_blk, t, seed=t.seed + r)
@@ -502,7 +507,14 @@ class OnlineTrainer:
         if not self.cfg.deepspeed.zero_stage and t.grad_clip > 0:
             clip = lambda e: {f"grad_norm_{name}": n for name, n in zip(self.groups, clip_per_group(e, t.grad_clip))}  # noqa: E731
         metrics = train_step(
-            self.engine, batch, self.cfg.loss, forward=self.engine, teacher=self.target.model, autocast=t.autocast_bf16, clip=clip
+            self.engine,
+            batch,
+            self.cfg.loss,
+            forward=self.engine,
+            teacher=self.target.model,
+            autocast=t.autocast_bf16,
+            clip=clip,
+            vocab=self.engine.module.vocab,
         )
         if self.rank == 0:
             from mlflow.entities import Metric
@@ -525,7 +537,7 @@ class OnlineTrainer:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
                 return self.engine(batch)
 
-        return heldout_tau(forward, seqs, self.k_blk, t.anchors_per_seq, t.eval_seqs)
+        return heldout_tau(forward, seqs, self.k_blk, t.anchors_per_seq, t.eval_seqs, self.engine.module.vocab)
 
     # ------------------------------------------------------------------ MLflow, export, publish (rank 0)
 
