@@ -212,7 +212,6 @@ def warmup_cosine(tc: TrainSection) -> dict:
     }
 
 
-@torch.no_grad()
 def new_drafter(cfg: PretrainConfig, target: Target) -> Drafter:
     """The configured drafter (random weights), with drafter.draft_vocab's draft vocabulary when set."""
     dc = cfg.drafter
@@ -224,6 +223,7 @@ def new_drafter(cfg: PretrainConfig, target: Target) -> Drafter:
     return drafter
 
 
+@torch.no_grad()
 def init_from_target(drafter: Drafter, target: Target) -> None:
     """Start the drafter from the target's own last layers and final norm, with `fc` passing the
     deepest feature layer through: a language-aware starting point (on SmolLM2 it reached the loss a
