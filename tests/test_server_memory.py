@@ -5,6 +5,9 @@ with the request count."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +74,14 @@ def test_memory_is_flat_over_many_requests_and_a_swap(smollm2_dir, tmp_path):
 
 
 def test_memory_is_flat_over_hot_swaps(smollm2_dir, tmp_path):
+    if not os.environ.get("ADAFLASH_MEMORY_CHILD"):
+        # measured in a fresh process: inside the whole suite's process (2.6 GB of other tests' heap) glibc's
+        # fragmentation alone moved RSS by ~12 MB a segment in one CI run and not in the next
+        env = {**os.environ, "ADAFLASH_MEMORY_CHILD": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_memory_is_flat_over_hot_swaps"]
+        res = subprocess.run(cmd, env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+        return
     # a bf16 drafter beside the fp32 target, as `drafter_dtype: auto` serves on this CPU: its attention
     # multiplies in float32 (a bf16 matmul cached a oneDNN primitive for every new context length), and
     # each swap frees a drafter whose pages the engine thread's malloc_trim hands back
