@@ -30,7 +30,6 @@ draft did); otherwise, or when the version's MASK differs (it lives in the targe
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -250,29 +249,20 @@ class SGLangEngine(StockEngine):
         params["no_stop_trim"] = True  # keep the stop token: it was committed by a verify step
         body = {"input_ids": list(req.prompt_ids), "sampling_params": params, "stream": True}
         finish, meta, chunks = None, {}, []
-        with self._open(st, "/generate", body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"SGLang answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
-            for line in r.iter_lines():
-                if req.request_id in self._cancel:
-                    finish = "cancelled"
-                    break
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                ids = chunk.get("output_ids") or []
-                new = ids if self.server.incremental else ids[len(st.out) :]
-                if new:
-                    chunks.append(len(new))
-                    self._progress(st, new)
-                meta = chunk.get("meta_info") or meta
-                reason = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) else None
-                if reason:
-                    finish = {"abort": "cancelled"}.get(reason, reason)
-                if req.stop is not None and finish != "cancelled" and (keep := req.stop(st.out)) is not None:
-                    del st.out[keep:]
-                    finish = "stop"  # a custom stop rule: leave the stream, SGLang aborts the request
-                    break
+        for chunk in self._events(st, "/generate", body):
+            ids = chunk.get("output_ids") or []
+            new = ids if self.server.incremental else ids[len(st.out) :]
+            if new:
+                chunks.append(len(new))
+                self._progress(st, new)
+            meta = chunk.get("meta_info") or meta
+            reason = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) else None
+            if reason:
+                finish = {"abort": "cancelled"}.get(reason, reason)
+            if req.stop is not None and finish != "cancelled" and (keep := req.stop(st.out)) is not None:
+                del st.out[keep:]
+                finish = "stop"  # a custom stop rule: leave the stream, SGLang aborts the request
+                break
         rounds = rounds_from_chunks(len(req.prompt_ids), chunks, meta, self.k_blk) if finish != "cancelled" else []
         if rounds is None:
             self.stats["rows_inexact"] += 1

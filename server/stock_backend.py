@@ -4,13 +4,16 @@
 python, its log beside the exported drafters) and waits for its health endpoint. `StockEngine` gives
 the EngineRunner the surface of adaflash.engine.Engine (submit / step / cancel / swap / trajectory)
 over such a server: one reader thread per request streams it from the child and records its tokens;
-subclasses say how one request is sent and parsed (`_request`) and how a drafter is swapped in.
+subclasses say how one request is sent and read (`_request`, over the shared `_events` stream) and how a
+drafter is swapped in.
 `hold()` / `release()` let a subclass restart its child without dropping a request: new requests
 wait (they count as running) while those in flight finish, then go out to the new child.
 """
 
 from __future__ import annotations
 
+import abc
+import json
 import logging
 import os
 import socket
@@ -89,7 +92,7 @@ class _Policy:
     name: str
 
 
-class StockEngine:
+class StockEngine(abc.ABC):
     """The EngineRunner's engine surface over a ChildServer (one streaming HTTP request per request)."""
 
     def __init__(
@@ -201,14 +204,24 @@ class StockEngine:
         name = f"{self.server.name}-{st.req.request_id[-8:]}"
         threading.Thread(target=self._stream, args=(st,), name=name, daemon=True).start()
 
+    @abc.abstractmethod
     def _request(self, st: RequestState) -> tuple[str | None, list]:
         """Stream one request from the child into st.out; -> (finish reason or None, its rounds)."""
-        raise NotImplementedError
 
-    def _open(self, st: RequestState, path: str, body: dict):
-        """A streaming POST to the child, registered so that cancel() can close it."""
-        r = self._client.stream("POST", self.server.url + path, json=body)
-        return _Registered(self, st.req.request_id, r)
+    def _events(self, st: RequestState, path: str, body: dict):
+        """POST `body` to the child's `path` as a server-sent-event stream; yields each `data:` event's
+        JSON. The stream is registered so that cancel() can close it; a non-200 answer raises, and so does
+        a cancelled request (at its next line: _stream then finishes it as cancelled). Leaving the loop
+        early closes the stream, and the child aborts the request."""
+        rid = st.req.request_id
+        with _Registered(self, rid, self._client.stream("POST", self.server.url + path, json=body)) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{self.server.name} answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+            for line in r.iter_lines():
+                if rid in self._cancel:
+                    raise RuntimeError(f"request {rid} cancelled")
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[6:])
 
     def _stream(self, st: RequestState) -> None:
         req, rounds = st.req, []

@@ -179,26 +179,17 @@ class VLLMEngine(StockEngine):
             "skip_special_tokens": False,
         }
         finish, spec = None, None
-        with self._open(st, "/v1/completions", body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"vLLM answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
-            for line in r.iter_lines():
-                if req.request_id in self._cancel:
-                    finish = "cancelled"
-                    break
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                spec = (chunk.get("metrics") or {}).get("speculative_decoding") or spec
-                for choice in chunk.get("choices") or []:
-                    if choice.get("token_ids"):
-                        self._progress(st, choice["token_ids"])
-                    if choice.get("finish_reason"):
-                        finish = {"abort": "cancelled"}.get(choice["finish_reason"], choice["finish_reason"])
-                if req.stop is not None and finish != "cancelled" and (keep := req.stop(st.out)) is not None:
-                    del st.out[keep:]
-                    finish = "stop"  # a custom stop rule: leave the stream, vLLM aborts the request
-                    break
+        for chunk in self._events(st, "/v1/completions", body):
+            spec = (chunk.get("metrics") or {}).get("speculative_decoding") or spec
+            for choice in chunk.get("choices") or []:
+                if choice.get("token_ids"):
+                    self._progress(st, choice["token_ids"])
+                if choice.get("finish_reason"):
+                    finish = {"abort": "cancelled"}.get(choice["finish_reason"], choice["finish_reason"])
+            if req.stop is not None and finish != "cancelled" and (keep := req.stop(st.out)) is not None:
+                del st.out[keep:]
+                finish = "stop"  # a custom stop rule: leave the stream, vLLM aborts the request
+                break
         return finish, _rounds(len(req.prompt_ids), len(st.out), spec)
 
 

@@ -1,21 +1,25 @@
 """The SGLang backend as far as a machine without SGLang (no GPU, no AMX) can test it: the command
 line, the parsing of SGLang's per-request stats into rounds, the config, the files the export writes
-for SGLang and the hot-swap decisions. SGLang itself runs in scripts/gpu_check_sglang.sh (a GPU)."""
+for SGLang, the hot-swap decisions, and the reader thread over a stand-in of SGLang's streamed
+/generate. SGLang itself runs in scripts/gpu_check_sglang.sh (a GPU)."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 from adaflash.server.config import ModelSection, ServeConfig, SGLangSection
-from adaflash.server.sglang_backend import SGLangServer, judge_probes, rounds_from_chunks, swap_plan
+from adaflash.server.sglang_backend import SGLangEngine, SGLangServer, judge_probes, rounds_from_chunks, swap_plan
+from conftest import tiny_drafter, tiny_target
 from safetensors.torch import load_file
 
 from adaflash.dflash_sglang import sglang_python, write_sglang_target
+from adaflash.engine import Request
 
 
 def _server(tmp_path, drafter_dir="/d", extra=None) -> SGLangServer:
@@ -187,3 +191,73 @@ def test_in_place_update_request_and_refusal(tmp_path, fake_sglang):
     _FakeSGLang.update = (400, {"success": False, "message": "draft_runners"})  # e.g. the DFlash routing bug
     assert s.update_draft(Path("/x"), "4", {}) == (False, "draft_runners")
     _FakeSGLang.update = (200, {"success": True, "message": "Succeeded to update model weights."})
+
+
+class _StreamingSGLang(BaseHTTPRequestHandler):
+    """SGLang's streamed /generate (server-sent events, cumulative output_ids, a chunk per verify step) for
+    the reader thread's test; the prompt's first id picks the answer: 0 the four chunks of FINAL's
+    request, 1 a refusal, 2 a long slow stream (its client leaving is recorded in `aborted`)."""
+
+    aborted = threading.Event()
+
+    def do_POST(self):
+        kind = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["input_ids"][0]
+        if kind == 1:
+            self.send_response(503)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"busy")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        sizes, ids = [1, 3, 6, 2] if kind == 0 else [1] * 500, []
+        try:
+            for i, n in enumerate(sizes):
+                ids += range(100 + len(ids), 100 + len(ids) + n)
+                meta = FINAL["meta_info"] if i == len(sizes) - 1 else {"id": "r0"}
+                self.wfile.write(f"data: {json.dumps({'output_ids': ids, 'meta_info': meta})}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.02 * (kind == 2))
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            type(self).aborted.set()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_streamed_requests_finish_with_their_tokens_rounds_errors_stops_and_cancels(tmp_path):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StreamingSGLang)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = _server(tmp_path)
+    server.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    drafter = tiny_drafter(tiny_target(), block_size=8)
+    engine = SGLangEngine(server, drafter, "1", 8, (4, 512, 2048), SGLangSection(work_dir=str(tmp_path)), tmp_path, None, [])
+
+    def run(rid, prompt, stop=None, cancel_after_first=False):
+        engine.submit(Request(rid, prompt, max_new_tokens=1000, stop=stop))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if cancel_after_first and any(s.out for s in engine.running):
+                engine.cancel(rid)
+                cancel_after_first = False
+            if done := engine.step():
+                return done[0]
+        raise TimeoutError(rid)
+
+    st = run("a", [0, 1, 2, 3, 4])
+    assert st.finish_reason == "length" and st.out == list(range(100, 112))
+    assert [(r.anchor, r.accepted, r.verify_len) for r in st.rounds] == [(5, 2, 8), (8, 5, 8), (14, 1, 8)]
+    st = run("b", [1, 2])
+    assert st.finish_reason == "error" and st.out == [] and st.rounds == []
+    _StreamingSGLang.aborted.clear()
+    st = run("c", [2, 3], stop=lambda out: 3 if len(out) >= 5 else None)
+    assert st.finish_reason == "stop" and st.out == [100, 101, 102]
+    assert _StreamingSGLang.aborted.wait(10)  # leaving the stream aborts the request
+    _StreamingSGLang.aborted.clear()
+    st = run("d", [2, 4], cancel_after_first=True)
+    assert st.finish_reason == "cancelled" and st.out[:1] == [100] and st.rounds == []
+    assert _StreamingSGLang.aborted.wait(10)
+    assert engine.idle and engine.stats["rows_inexact"] == 0
+    httpd.shutdown()
