@@ -13,7 +13,8 @@ cannot be told apart that way. This replays what serving recorded instead:
 
 Held-out tau here is teacher-forced: the target's own greedy answers to eval prompts (generated once,
 cached in OUT/eval_answers.json), every `stride`-th answer position an anchor, tau = 1 + mean accepted
-length of the drafter's block argmax against the target's next tokens. For greedy decoding that is the
+length of the drafts as served (the block argmax over the drafter's draft vocabulary when it has one,
+whatever vocabulary a loss trains on) against the target's next tokens. For greedy decoding that is the
 acceptance verification gives (the served text IS the target's greedy text), measured on several times
 more prompts than the online run serves. The seed sets the batch order and anchor sampling.
 
@@ -232,15 +233,18 @@ class Replay:
         return write_report(self.runs, cfg, self.out, self.log)
 
     def heldout_tau(self, drafter) -> float:
+        """The trainer's held-out tau (trainer.data.heldout_tau) of the drafts as served: over the drafter's
+        draft vocabulary when it has one."""
         from adaflash.trainer.data import heldout_tau
 
         drafter.eval()
+        t = self.cfg.train
 
-        def forward(batch):  # -> draft logits [B, NB, K-1, V], no head: zeros [B, NB]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.train.autocast_bf16):
-                return block_logits(drafter, batch), torch.zeros(batch["anchors"].shape)
+        def forward(batch):  # -> draft logits [B, NB, K-1, V] or [B, NB, K-1, Vd], no head: zeros [B, NB]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.autocast_bf16):
+                return block_logits(drafter, batch, drafter.vocab), torch.zeros(batch["anchors"].shape)
 
-        return heldout_tau(forward, self.eval, self.k_blk, self.cfg.train.anchors_per_seq, self.cfg.train.eval_seqs)["tau"]
+        return heldout_tau(forward, self.eval, self.k_blk, t.anchors_per_seq, t.eval_seqs, drafter.vocab)["tau"]
 
     def run_one(self, name: str, seed: int, start_tau: float | None) -> dict:
         import deepspeed

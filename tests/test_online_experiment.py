@@ -209,6 +209,19 @@ def test_loss_replay_compares_losses_over_seeds_and_leaves_the_buffer_as_it_was(
     (one,) = Replay(cfg, tmp_path / "one", log=lines.append).run()["runs"]
     assert one["weights"] == runs["opd", 1]["weights"] and one["tau"] == runs["opd", 1]["tau"]
 
+    # held-out tau scores the drafts as served: with a one-token draft vocabulary every draft is that token
+    from adaflash.trainer.data import eval_items, make_batch
+
+    rp = Replay(cfg, out, log=lines.append)
+    rp._prepare()
+    batch = make_batch(eval_items(rp.eval, rp.k_blk, 10**6), rp.k_blk)
+    nxt = batch["tgt_next"][batch["full"]]  # [N, K-1]: the target's next tokens at every full block
+    tok = int(nxt[:, 0].mode().values)
+    one_token = rp._drafter()
+    one_token.set_vocab([tok])
+    expect = 1 + float((nxt == tok).long().cumprod(-1).sum(-1).float().mean())  # > 1: tok starts a block
+    assert expect > 1 and rp.heldout_tau(one_token) == pytest.approx(expect)
+
 
 def test_swap_under_load_fails_no_request(tmp_path, tiny_hf_dir, tiny_drafter_dir, prompt_sets, mlflow_server):
     paths = {
