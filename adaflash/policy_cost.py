@@ -223,6 +223,28 @@ class _Pending:
     p: torch.Tensor  # [J] the block model's predictions
 
 
+def _labelled(pending: dict, states, accepted, running: Running, n_pos) -> list[tuple]:
+    """The verified rounds of `states` with an entry in `pending` (popped), their n_pos(entry) positions
+    labelled by round_labels -> [(entry, label [J], seen [J])]; the rounds that verified drafts update
+    `running`. What observe and observe_lookup share."""
+    rows, ids, acc_n, seen_n = [], [], [], []
+    for s, a in zip(states, accepted):
+        rid = s.req.request_id
+        entry = pending.pop(rid, None)
+        if entry is None:
+            continue
+        drafts = len(s.rounds[-1].draft) if s.rounds else 0
+        (y,), (seen,) = round_labels(torch.tensor([a]), torch.tensor([drafts]), n_pos(entry))  # [J], [J]
+        rows.append((entry, y, seen))
+        if drafts:
+            ids.append(rid)
+            acc_n.append(float(y[seen].sum()))
+            seen_n.append(float(seen.sum()))
+    if ids:
+        running.update(ids, torch.tensor(acc_n), torch.tensor(seen_n))
+    return rows
+
+
 class CostPolicy(VerifyPolicy):
     """Verify lengths (and whether to draft) by expected committed tokens per second, see the module doc."""
 
@@ -330,21 +352,9 @@ class CostPolicy(VerifyPolicy):
 
     def observe_lookup(self, states, accepted):
         """Label each verified chain's positions (censored after the first rejection) and refit the chain model."""
-        xs, ys, ids, acc_n, seen_n = [], [], [], [], []
-        for s, a in zip(states, accepted):
-            rid = s.req.request_id
-            x = self.chain_pending.pop(rid, None)
-            if x is None:
-                continue
-            y, seen = round_labels(torch.tensor([a]), torch.tensor([len(s.rounds[-1].draft)]), len(x))
-            xs.append(x[seen[0]])
-            ys.append(y[0][seen[0]])
-            ids.append(rid)
-            acc_n.append(float(ys[-1].sum()))
-            seen_n.append(float(seen[0].sum()))
-        if xs:
-            self.chain.update(torch.cat(xs), torch.cat(ys))
-            self.running_chain.update(ids, torch.tensor(acc_n), torch.tensor(seen_n))
+        rows = _labelled(self.chain_pending, states, accepted, self.running_chain, len)  # entries: chain features [J, 3]
+        if rows:
+            self.chain.update(torch.cat([x[seen] for x, _, seen in rows]), torch.cat([y[seen] for _, y, seen in rows]))
 
     # -- after drafting
     def lengths(self, states, hidden, k_blk, logits=None):
@@ -374,26 +384,10 @@ class CostPolicy(VerifyPolicy):
         position's label is not seen (not verified, or after the first rejection) the prior model learns
         what the block model predicted there: so a request whose drafts are never worth verifying stops
         being drafted, and no outcome decides which positions the prior model learns from."""
-        fit, prior, ids, acc_n, seen_n = [], [], [], [], []
-        for s, a in zip(states, accepted):
-            rid = s.req.request_id
-            p = self.pending.pop(rid, None)
-            if p is None:
-                continue
-            drafts = len(s.rounds[-1].draft) if s.rounds else 0
-            y, seen = round_labels(torch.tensor([a]), torch.tensor([drafts]), len(p.p))  # [1, J]
-            y, seen = y[0], seen[0]
-            fit.append((p.x[seen], y[seen]))
-            prior.append((p.xp, torch.where(seen, y, p.p)))  # [J, 3], [J]
-            if drafts:
-                ids.append(rid)
-                acc_n.append(float(y[seen].sum()))
-                seen_n.append(float(seen.sum()))
-        if fit:
-            self.block.update(torch.cat([x for x, _ in fit]), torch.cat([y for _, y in fit]))
-            self.prior.update(torch.cat([x for x, _ in prior]), torch.cat([y for _, y in prior]))
-        if ids:
-            self.running.update(ids, torch.tensor(acc_n), torch.tensor(seen_n))
+        rows = _labelled(self.pending, states, accepted, self.running, lambda p: len(p.p))
+        if rows:
+            self.block.update(torch.cat([p.x[seen] for p, _, seen in rows]), torch.cat([y[seen] for _, y, seen in rows]))
+            self.prior.update(torch.cat([p.xp for p, _, _ in rows]), torch.cat([torch.where(seen, y, p.p) for p, y, seen in rows]))
 
     def observe_timing(self, verify, draft):
         """Refit the step-cost model on the step just run."""
