@@ -224,6 +224,7 @@ def machine_key(target, drafter) -> dict:
         "processor": proc,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "attention": "kv-pool",  # the engine's attention (ragged over one KV pool since issue 21): its step costs differ
         "target": fingerprint(target),
         "target_dtype": str(target.lm_head.weight.dtype),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from adaflash.kvcache import KVCache, Ragged, pool_of
 from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack
 
 
@@ -79,79 +80,6 @@ def default_feature_layers(num_layers: int, n: int = 5) -> list[int]:
     return sorted({round(1 + i * (last - 1) / (n - 1)) for i in range(n)})
 
 
-class KVCache:
-    """Per-layer K/V buffers [B, Hkv, capacity, D] with one shared length.
-
-    `valid` marks real (non-padding) slots, `next_pos` the RoPE position of each row's next token,
-    so left-padded batches work. `crop` rolls back rejected speculative tokens.
-    """
-
-    def __init__(
-        self,
-        n_layers: int,
-        batch: int,
-        n_kv_heads: int,
-        head_dim: int,
-        dtype,
-        capacity: int = 256,
-        device: torch.device | str | None = None,
-    ):
-        self.k = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
-        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.valid.shape[1]
-
-    def reserve(self, extra: int) -> None:
-        need = self.length + extra
-        if need <= self.capacity:
-            return
-        new = max(need, 2 * self.capacity)
-        grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], new - t.shape[2], t.shape[3])], dim=2)  # noqa: E731
-        self.k = [grow(t) for t in self.k]
-        self.v = [grow(t) for t in self.v]
-        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], new - self.capacity)], dim=1)
-
-    def append(self, valid: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Claim slots for T new tokens (valid [B, T], False = padding); -> (first slot, RoPE positions [B, T])."""
-        b, t = valid.shape
-        start = self.length
-        self.reserve(t)
-        positions = (self.next_pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)
-        self.valid[:, start : start + t] = valid
-        self.next_pos += valid.sum(1)
-        self.length = start + t
-        return start, positions
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` (finished requests leave the batch)."""
-        self.k = [t[rows] for t in self.k]
-        self.v = [t[rows] for t in self.v]
-        self.valid, self.next_pos = self.valid[rows], self.next_pos[rows]
-
-    def keep(self, start: int, slots: list[int]) -> None:
-        """Keep only the new slots start + slots[i] (in order) of the last append (a tree's accepted
-        path), moved to start + i; all rows valid (the engine's caches hold one request each)."""
-        idx = torch.tensor(slots, device=self.valid.device) + start
-        m = len(slots)
-        for t in self.k + self.v:
-            t[:, :, start : start + m] = t[:, :, idx]
-        self.next_pos -= (self.length - start) - m
-        self.valid[:, start + m : self.length] = False
-        self.length = start + m
-
-    def crop(self, length: int) -> None:
-        """Drop slots from `length` on (all rows); positions roll back with them."""
-        dropped = self.valid[:, length : self.length].sum(1)
-        self.next_pos -= dropped
-        self.valid[:, length : self.length] = False
-        self.length = length
-
-
 class Backbone(nn.Module):
     def __init__(self, c: TargetConfig):
         super().__init__()
@@ -179,8 +107,11 @@ class TargetModel(nn.Module):
         return self.lm_head.weight.dtype
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
-        c = self.config
-        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.dtype, capacity, self.lm_head.weight.device)
+        """batch 1: a row of this model's KV pool (what `forward_packed` batches over); else a padded batch cache."""
+        c, dev = self.config, self.lm_head.weight.device
+        if batch == 1:
+            return pool_of(self, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, dev).take(capacity)
+        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.dtype, capacity, dev)
 
     @torch.no_grad()
     def forward(
@@ -233,7 +164,8 @@ class TargetModel(nn.Module):
         """Ragged batch: request i appends tokens[i] ([L_i], any L_i) to its own batch-1 cache.
 
         The linear layers run once over all sum(L_i) tokens packed together (no padding to the
-        longest); attention runs per request against its own cache with a causal mask, or with
+        longest); attention runs once per layer for all requests over their rows of the model's KV
+        pool (kvcache.Ragged), each token seeing its request's cache and its causal prefix, or
         `trees[i]` ([L_i, L_i] ancestor mask, spec.tree_mask) when request i's new tokens form a token
         tree: token j then attends to the cache and to its ancestors only, at RoPE position
         next_pos + its depth (keep the accepted path with `KVCache.keep`).
@@ -247,33 +179,24 @@ class TargetModel(nn.Module):
         for n in lens:
             bounds.append(bounds[-1] + n)
         trees = trees or [None] * len(tokens)
-        slots, pos, masks = [], [], []
+        starts, pos = [], []
         for cache, n, tree in zip(caches, lens, trees):
             start, p = cache.append(torch.ones(1, n, dtype=torch.bool, device=dev))  # p: [1, n]
-            keys = torch.arange(start + n, device=dev)
-            seen = keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]  # [n, start+n] causal
             if tree is not None:
-                tree = tree.to(dev)
-                seen = torch.cat([seen[:, :start], tree], dim=1)  # [n, start+n]: the cache, then the ancestors
-                p = p[:, :1] + tree.sum(1)[None] - 1  # [1, n]: the anchor's position + depth in the tree
-            slots.append(start)
+                p = p[:, :1] + tree.to(dev).sum(1)[None] - 1  # [1, n]: the anchor's position + depth in the tree
+            starts.append(start)
             pos.append(p)
-            masks.append((cache.valid[:, None, : start + n] & seen)[:, None])  # [1, 1, n, start+n]
+        batch = Ragged(caches, starts, lens, causal=True, trees=trees)
         cos, sin = self.rotary(torch.cat(pos, dim=1), self.dtype)  # [1, 1, N, D]
         x = self.model.embed_tokens(torch.cat(tokens)[None])  # [1, N, H]
         feats = []
         for li, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.project_q(h, cos, sin)  # [1, Hq, N, D]
+            q = attn.project_q(h, cos, sin)[0].transpose(0, 1)  # [N, Hq, D]
             k, v = attn.project_kv(h, cos, sin)  # [1, Hkv, N, D]
-            outs = []
-            for i, (cache, start, n) in enumerate(zip(caches, slots, lens)):
-                a, b = bounds[i], bounds[i + 1]
-                cache.k[li][:, :, start : start + n] = k[:, :, a:b]
-                cache.v[li][:, :, start : start + n] = v[:, :, a:b]
-                outs.append(attn.attend_heads(q[:, :, a:b], cache.k[li][:, :, : start + n], cache.v[li][:, :, : start + n], masks[i]))
-            x = x + attn.o_proj(torch.cat(outs, dim=1))
+            out = batch.attend(attn, li, q, k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, Hq*D]
+            x = x + attn.o_proj(out[None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in self.feature_layers:
                 feats.append(x)

@@ -1,0 +1,321 @@
+"""KV caches: a padded batch cache, a pool of one-request caches, and ragged attention over the pool.
+
+`KVCache` holds per-layer K/V [B, Hkv, capacity, D] for B rows that advance together (the padded
+batch forward of pretraining and regeneration). The engine's requests each own a batch-1 cache, and
+those are slots of one `KVPool` per model: the per-layer tensors [slots, Hkv, capacity, D] are shared,
+so a ragged batch of requests attends in one call per layer over a view of the pool (`Ragged`)
+instead of a Python loop of per-request attention calls (at 32 requests on two CPU cores that loop
+was ~40% of a verification step: docs/benchmarks.md, issue 21).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import weakref
+
+import torch
+
+
+class KVCache:
+    """Per-layer K/V buffers [B, Hkv, capacity, D] with one shared length.
+
+    `valid` marks real (non-padding) slots, `next_pos` the RoPE position of each row's next token,
+    so left-padded batches work. `crop` rolls back rejected speculative tokens. A pooled cache
+    (`KVPool.take`, batch 1) holds views of its pool's row `slot`; it grows with the pool.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype,
+        capacity: int = 256,
+        device: torch.device | str | None = None,
+    ):
+        self.k = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.length = 0
+        self.pool: KVPool | None = None
+        self.slot = -1
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def reserve(self, extra: int) -> None:
+        need = self.length + extra
+        if need <= self.capacity:
+            return
+        if self.pool is not None:
+            self.pool.grow(need)  # rebinds this cache's views
+            return
+        new = max(need, 2 * self.capacity)
+        grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], new - t.shape[2], t.shape[3])], dim=2)  # noqa: E731
+        self.k = [grow(t) for t in self.k]
+        self.v = [grow(t) for t in self.v]
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], new - self.capacity)], dim=1)
+
+    def append(self, valid: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Claim slots for T new tokens (valid [B, T], False = padding); -> (first slot, RoPE positions [B, T])."""
+        b, t = valid.shape
+        start = self.length
+        self.reserve(t)
+        positions = (self.next_pos[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)
+        self.valid[:, start : start + t] = valid
+        self.next_pos += valid.sum(1)
+        self.length = start + t
+        return start, positions
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (finished requests leave the batch)."""
+        if self.pool is not None:
+            raise ValueError("a pooled cache holds one request: drop it instead of selecting rows")
+        self.k = [t[rows] for t in self.k]
+        self.v = [t[rows] for t in self.v]
+        self.valid, self.next_pos = self.valid[rows], self.next_pos[rows]
+
+    def keep(self, start: int, slots: list[int]) -> None:
+        """Keep only the new slots start + slots[i] (in order) of the last append (a tree's accepted
+        path), moved to start + i; all rows valid (the engine's caches hold one request each)."""
+        idx = torch.tensor(slots, device=self.valid.device) + start
+        m = len(slots)
+        for t in self.k + self.v:
+            t[:, :, start : start + m] = t[:, :, idx]
+        self.next_pos -= (self.length - start) - m
+        self.valid[:, start + m : self.length] = False
+        self.length = start + m
+
+    def crop(self, length: int) -> None:
+        """Drop slots from `length` on (all rows); positions roll back with them."""
+        dropped = self.valid[:, length : self.length].sum(1)
+        self.next_pos -= dropped
+        self.valid[:, length : self.length] = False
+        self.length = length
+
+
+class KVPool:
+    """Batch-1 caches of one model as rows of shared per-layer tensors [slots, Hkv, capacity, D].
+
+    `take` hands out the lowest free row (so the live rows stay packed at the front), and a cache's
+    row returns to the pool when the cache is garbage-collected (the engine drops a finished request's
+    caches). The pool grows by doubling its rows, and its capacity to the longest request asked for
+    (rounded up, x1.5 when a cache outgrows it), copying live rows once and rebinding their caches.
+    An empty pool frees its tensors, so an idle server holds no K/V. Memory is rows x the longest
+    capacity: one long request makes every row that long (a paged store would not; not needed yet).
+    """
+
+    ROUND = 64  # capacity granularity (tokens)
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        self.shape = (n_layers, n_kv_heads, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.lock = threading.RLock()
+        self._resizing = False
+        self._alloc(0, 0)
+
+    def _alloc(self, rows: int, capacity: int) -> None:
+        n_layers, hkv, d = self.shape
+        z = lambda: torch.zeros(rows, hkv, capacity, d, dtype=self.dtype, device=self.device)  # noqa: E731
+        self.k, self.v = [z() for _ in range(n_layers)], [z() for _ in range(n_layers)]  # per layer [rows, Hkv, C, D]
+        self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)  # [rows, C]
+        self.next_pos = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows]
+        self.free = list(range(rows))  # a heap
+        self.live: dict[int, weakref.ref] = {}
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def take(self, capacity: int) -> KVCache:
+        """A new empty batch-1 cache of at least `capacity` tokens on the lowest free row."""
+        with self.lock:
+            if capacity > self.capacity or not self.free:
+                self._resize(self.rows if self.free else max(1, 2 * self.rows), max(capacity, self.capacity))
+            slot = heapq.heappop(self.free)
+            self.valid[slot] = False
+            self.next_pos[slot] = 0
+            cache = KVCache.__new__(KVCache)
+            cache.pool, cache.slot, cache.length = self, slot, 0
+            self._bind(cache)
+            self.live[slot] = weakref.ref(cache)
+            weakref.finalize(cache, self._release, slot)
+            return cache
+
+    def grow(self, capacity: int) -> None:
+        """Make every row hold at least `capacity` tokens (a cache outgrew its request's estimate)."""
+        with self.lock:
+            if capacity > self.capacity:
+                self._resize(self.rows, max(capacity, self.capacity * 3 // 2))
+
+    def _release(self, slot: int) -> None:
+        with self.lock:
+            if self.live.pop(slot, None) is None:
+                return
+            heapq.heappush(self.free, slot)
+            if not self.live and not self._resizing:
+                self._alloc(0, 0)
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        capacity = -(-capacity // self.ROUND) * self.ROUND
+        old_k, old_v, old_valid, old_pos, live = self.k, self.v, self.valid, self.next_pos, self.live
+        r0, c0 = old_valid.shape
+        self._resizing = True  # a cache collected meanwhile only frees its row
+        self._alloc(rows, capacity)
+        for new, old in zip(self.k + self.v, old_k + old_v):
+            new[:r0, :, :c0] = old
+        self.valid[:r0, :c0] = old_valid
+        self.next_pos[:r0] = old_pos
+        self.live = live
+        self.free = [s for s in range(rows) if s not in live]
+        heapq.heapify(self.free)
+        for ref in list(live.values()):
+            cache = ref()
+            if cache is not None:
+                self._bind(cache)
+        self._resizing = False
+
+    def _bind(self, cache: KVCache) -> None:
+        s = cache.slot
+        cache.k = [t[s : s + 1] for t in self.k]  # views [1, Hkv, C, D]
+        cache.v = [t[s : s + 1] for t in self.v]
+        cache.valid, cache.next_pos = self.valid[s : s + 1], self.next_pos[s : s + 1]
+
+
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pool_of(model: torch.nn.Module, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device) -> KVPool:
+    """The model's pool (one per model object and dtype/device; it dies with the model)."""
+    pool = _POOLS.get(model)
+    if pool is None or (pool.dtype, pool.device) != (dtype, torch.device(device)) or pool.shape != (n_layers, n_kv_heads, head_dim):
+        pool = _POOLS[model] = KVPool(n_layers, n_kv_heads, head_dim, dtype, device)
+    return pool
+
+
+class Ragged:
+    """Where each token of a packed ragged batch sits in a pool, built once per forward for all layers.
+
+    Request i (cache caches[i], pool row r_i) brings n_i new tokens at cache slots starts[i] ..
+    starts[i] + n_i. `attend` writes their K/V there, then runs attention in two parts: the first
+    `head` queries of every request in ONE call over the pool's rows lo..hi (queries padded to `head`:
+    [P, Hq, head, D] against [P, Hkv, S, D], S = the furthest slot those queries read, a mask per
+    row), and the queries beyond `head` of the requests that have more, one call each (a prefill, a
+    long tree). `head` is the split that costs least: padding a short request to a long one's length
+    multiplies attention work (scores and softmax over [P, Hq, head, S]), one call per request
+    costs ~0.05 ms of overhead. A query sees the row's valid slots before its own block, then within
+    its block its causal prefix (`causal`), its ancestors (`trees[i]`, [n_i, n_i] bool, nodes after
+    their parents), or the whole block (`causal=False`, the drafter's bidirectional block).
+    """
+
+    CALL = 500  # one attention call's overhead (~50 us), in units of reading one row x key of K/V (~0.1 us)
+    PADDED = 2**21  # most score elements per head in the one padded call (fp32 scores of 9 heads: ~75 MB)
+
+    def __init__(
+        self,
+        caches: list,
+        starts: list[int],
+        lens: list[int],
+        causal: bool = True,
+        trees: list[torch.Tensor | None] | None = None,
+    ):
+        pools = {id(c.pool) for c in caches}
+        if len(pools) != 1 or caches[0].pool is None:
+            raise ValueError("a ragged forward needs batch-1 caches of this model's pool (model.new_cache(1, ...))")
+        self.pool = pool = caches[0].pool
+        dev = pool.device
+        self.rows, self.starts, self.lens = [c.slot for c in caches], starts, lens
+        self.lo, self.hi = min(self.rows), max(self.rows) + 1
+        p = self.hi - self.lo
+        self.head = head = self._split(p)
+        lens_t, starts_t, rows_t = (torch.tensor(x, device=dev) for x in (lens, starts, self.rows))
+        self.tok_slot = rows_t.repeat_interleave(lens_t)  # [N] pool row of each token
+        self.tok_col = torch.cat([torch.arange(n, device=dev) for n in lens])  # [N] query column in its block
+        self.tok_pos = self.tok_col + starts_t.repeat_interleave(lens_t)  # [N] cache slot
+        in_head = self.tok_col < head
+        self.head_tok = in_head.nonzero()[:, 0]  # [Nh] packed index of the head queries
+        self.head_row, self.head_col = self.tok_slot[in_head] - self.lo, self.tok_col[in_head]
+        trees = trees or [None] * len(lens)
+        self.s = max(a + min(n, head) for a, n in zip(starts, lens))
+        self.mask = self._head_mask(p, rows_t, starts_t, lens_t, causal, trees) if head else None  # [P, 1, head, S]
+        self.dense = self.rows == list(range(self.lo, self.hi)) and all(n == head for n in lens)
+        self.tails = []  # (row, block start, n, mask [1, 1, n - head, start + n]) of requests longer than head
+        for r, a, n, tree in zip(self.rows, starts, lens, trees):
+            if n > head:
+                ones = torch.ones(n, n, dtype=torch.bool, device=dev)
+                blk = tree.to(dev) if tree is not None else ones.tril() if causal else ones
+                m = torch.cat([pool.valid[r, :a].expand(n, a), blk], dim=1)[head:]  # [n - head, a + n]
+                self.tails.append((r, a, n, m[None, None]))
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        self.tail_tok = [torch.arange(offsets[i] + head, offsets[i] + n, device=dev) for i, n in enumerate(lens) if n > head]
+
+    def _head_mask(self, p, rows_t, starts_t, lens_t, causal, trees) -> torch.Tensor:
+        """[P, 1, head, S]: what each row's first `head` queries see (padding queries and rows outside
+        the batch see slot 0 alone: finite, their outputs unused)."""
+        dev, head = rows_t.device, self.head
+        keys = torch.arange(self.s, device=dev)
+        st_p = torch.zeros(p, dtype=torch.long, device=dev)  # [P] block start per row (0 outside the batch)
+        st_p[rows_t - self.lo] = starts_t
+        n_p = torch.zeros(p, dtype=torch.long, device=dev)
+        n_p[rows_t - self.lo] = lens_t
+        before = self.pool.valid[self.lo : self.hi, : self.s] & (keys[None] < st_p[:, None])  # [P, S] context slots
+        rel = keys[None, None] - st_p[:, None, None]  # [P, 1, S] key index within the row's block
+        last = torch.arange(head, device=dev)[None, :, None] if causal else n_p[:, None, None] - 1  # furthest block key
+        mask = before[:, None] | ((rel >= 0) & (rel <= last))  # [P, head, S]
+        for r, a, n, tree in zip(self.rows, self.starts, self.lens, trees):
+            if tree is not None:
+                h = min(n, head)
+                mask[r - self.lo, :h, a : a + h] = tree[:h, :h].to(dev)
+        mask[:, :, 0] |= ~mask.any(-1)
+        return mask[:, None]
+
+    def _split(self, p: int) -> int:
+        """The head length (0 = no padded call, or one of the n_i) with the least estimated attention
+        time, whose padded call stays within PADDED (a batch of long prefills attends per request).
+        A call reads all its rows' K/V (memory-bound for short query blocks: ~0.1 us per row x key on
+        two CPU cores) and costs ~0.07 us more per row x key x query and ~50 us of overhead: so a
+        request attending alone after the padded call pays its K/V twice, and a mixed batch of short
+        and long blocks may do best with no padded call at all."""
+
+        def call(rows_keys: int, queries: int) -> float:  # in units of ~0.1 us
+            return self.CALL + rows_keys * (1 + 0.7 * queries)
+
+        best, best_cost = 0, sum(call(a + n, n) for a, n in zip(self.starts, self.lens))
+        for h in sorted(set(self.lens)):
+            s = max(a + min(n, h) for a, n in zip(self.starts, self.lens))
+            if p * h * s > self.PADDED:
+                break
+            cost = call(p * s, h) + sum(call(a + n, n - h) for a, n in zip(self.starts, self.lens) if n > h)
+            if cost < best_cost:
+                best, best_cost = h, cost
+        return best
+
+    def attend(self, attn, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] of the packed tokens (RoPE applied) -> [N, Hq*D] before o_proj."""
+        pk, pv = self.pool.k[layer], self.pool.v[layer]
+        pk[self.tok_slot, :, self.tok_pos] = k
+        pv[self.tok_slot, :, self.tok_pos] = v
+        if self.dense:  # every row of lo..hi in order with `head` tokens: no scatter, no gather
+            qp = q.view(self.hi - self.lo, self.head, *q.shape[1:]).transpose(1, 2)  # [P, Hq, head, D]
+            out = attn.attend_heads(qp, pk[self.lo : self.hi, :, : self.s], pv[self.lo : self.hi, :, : self.s], self.mask)
+            return out.view(q.shape[0], -1)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [N, Hq*D]
+        if self.head:
+            qp = q.new_zeros(self.hi - self.lo, self.head, *q.shape[1:])  # [P, head, Hq, D]
+            qp[self.head_row, self.head_col] = q[self.head_tok]
+            heads = attn.attend_heads(qp.transpose(1, 2), pk[self.lo : self.hi, :, : self.s], pv[self.lo : self.hi, :, : self.s], self.mask)
+            out[self.head_tok] = heads[self.head_row, self.head_col]
+        for (r, a, n, m), idx in zip(self.tails, self.tail_tok):
+            qi = q[idx].transpose(0, 1)[None]  # [1, Hq, n - head, D]
+            out[idx] = attn.attend_heads(qi, pk[r : r + 1, :, : a + n], pv[r : r + 1, :, : a + n], m)[0]
+        return out
