@@ -218,6 +218,7 @@ def machine_key(target, drafter) -> dict:
             proc = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
         except (OSError, StopIteration):
             pass
+    from adaflash.quant import weight_format
     from adaflash.target import fingerprint
 
     return {
@@ -225,7 +226,7 @@ def machine_key(target, drafter) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "target": fingerprint(target),
-        "target_dtype": str(target.lm_head.weight.dtype),
+        "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",
         "drafter_dtype": str(drafter.fc.weight.dtype),
         "draft_vocab": 0 if drafter.vocab is None else int(drafter.vocab.numel()),
