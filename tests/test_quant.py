@@ -135,3 +135,22 @@ def test_target_dtype_names(tiny_hf_dir):
     t = load_target(str(tiny_hf_dir), "int8")
     assert weight_format(t.model) == "int8" and t.model.dtype == torch.bfloat16 and t.identity["weights"] == "int8"
     assert t.identity["fingerprint"] == load_target(str(tiny_hf_dir), "float32").identity["fingerprint"]
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_blocks_are_the_float_copy(smollm2_dir):
+    """All 210 projections of the packaged SmolLM2 are Q4_1 (the embedding is Q8_0, the norms F32), and
+    the kernel's float32 form (q - 8) * d + (m + 8d) is the dequantised float32 copy bit for bit."""
+    from safetensors.torch import load_file
+
+    from adaflash.quant import gguf_q4_1
+    from adaflash.target import packaged_gguf
+
+    state = load_file(str(smollm2_dir / "model.safetensors"))
+    blocks, kept = gguf_q4_1(packaged_gguf(), num_heads=9, num_kv_heads=3)
+    assert len(blocks) == 30 * 7 and kept["token_embd.weight"] == "Q8_0" and set(kept.values()) == {"F32", "Q8_0"}
+    for path, (q, d, m) in blocks.items():
+        d32, m32 = d.astype(np.float32).repeat(GROUP, 1), m.astype(np.float32).repeat(GROUP, 1)  # [N, K]
+        zero = m32 + 8 * d32
+        np.testing.assert_array_equal(zero.astype(np.float64), m32.astype(np.float64) + 8 * d32.astype(np.float64))  # exact
+        np.testing.assert_array_equal((q.astype(np.float32) - 8) * d32 + zero, state[f"{path}.weight"].numpy())
