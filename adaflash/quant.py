@@ -5,9 +5,10 @@ Two formats, each on one of PyTorch's CPU weight-only kernels:
   GGUF's own Q4_1 blocks (4-bit q, fp16 scale d and minimum m per 32 weights, w = d*q + m), so the
   values are the file's and not a re-quantisation of the float copy. The kernel computes
   w = (q - 8) * scale + zero with scale and zero in the activation dtype; we store scale = d and
-  zero = m + 8d. In float32 both are exact (d*q is exact in float32 and one rounding of d*q + m
-  follows, as in the dequantised copy), so the int4 weights equal the float32 target's bit for bit;
-  in bfloat16 scale and zero are rounded to 8 significant bits (the fp16 d and m have 11).
+  zero = m + 8d. In float32 both are exact (m + 8d fits float32's 24 bits unless d and m differ in
+  magnitude by more than ~2^13: no block of SmolLM2 does), (q - 8) * d is exact and one rounding of
+  d*q + m follows, as in the dequantised copy: the int4 weights equal the float32 target's bit for
+  bit. In bfloat16 scale and zero are rounded to 8 significant bits (the fp16 d and m have 11).
   Tensors of another GGUF type (SmolLM2's Q8_0 embedding, tied to the LM head) stay in float.
 - int8 (`_weight_int8pack_mm`, one scale per output channel): a symmetric re-quantisation of the
   float weights (round(w / s), s ~ max|w| / 127), so the weights differ from the file's (any target).
@@ -126,19 +127,22 @@ def rope_rows(n_rows: int, n_heads: int) -> np.ndarray:
 
 
 def gguf_q4_1(gguf: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, tuple[np.ndarray, ...]], dict[str, str]]:
-    """The Q4_1 projections of a llama GGUF as {HF module path: (q, d, m)} in HF row order, and
-    {GGUF tensor name: type} of every tensor left in float (other types, non-projections)."""
+    """The Q4_1 projections of a GGUF as {HF module path: (q, d, m)} in HF row order, and
+    {GGUF tensor name: type} of every tensor left in float (other types, non-projections). llama.cpp
+    interleaves q/k rows only for the `llama` architecture (transformers undoes it for that one alone)."""
     from gguf import GGMLQuantizationType, GGUFReader
 
+    reader = GGUFReader(str(gguf))
+    interleaved = reader.fields["general.architecture"].contents() == "llama"
     found, kept = {}, {}
-    for t in GGUFReader(str(gguf)).tensors:
+    for t in reader.tensors:
         parts = t.name.split(".")  # blk.{i}.{kind}.weight
         proj = PROJECTIONS.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
         if proj is None or t.tensor_type != GGMLQuantizationType.Q4_1:
             kept[t.name] = t.tensor_type.name
             continue
         q, d, m = q4_1_unpack(np.asarray(t.data))
-        if parts[2] in ("attn_q", "attn_k"):
+        if interleaved and parts[2] in ("attn_q", "attn_k"):
             rows = rope_rows(q.shape[0], num_heads if parts[2] == "attn_q" else num_kv_heads)
             q, d, m = q[rows], d[rows], m[rows]
         found[f"model.layers.{parts[1]}.{proj}"] = (q, d, m)
@@ -156,7 +160,7 @@ def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None) -> dic
     if fmt == "int8":
         for path in paths:
             _swap(model, path, Int8Linear(model.get_submodule(path).weight, dtype))
-        return {"format": "int8", "converted": len(paths), "float": ["model.embed_tokens (tied LM head)", "norms"]}
+        return {"format": "int8", "converted": len(paths), "float": ["embedding", "LM head", "norms"]}
     if fmt != "int4":
         raise ValueError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}; got {fmt!r}")
     if gguf is None:

@@ -393,6 +393,18 @@ def bf16_is_fast() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+# Quantised targets (adaflash.quant): name -> (weight format, activation dtype). PyTorch's CPU int4/int8
+# kernels are fast with bfloat16 activations; with float32 ones 4-40x slower than the float32 target
+# (docs/benchmarks.md), kept because int4-fp32 multiplies with exactly the float32 target's weights.
+TARGET_QUANT_DTYPES = {
+    "int4": ("int4", torch.bfloat16),
+    "int4-fp32": ("int4", torch.float32),
+    "int8": ("int8", torch.bfloat16),
+    "int8-fp32": ("int8", torch.float32),
+}
+TARGET_DTYPES = ("float32", "bfloat16", "auto", *TARGET_QUANT_DTYPES)
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if (torch.cuda.is_available() or bf16_is_fast()) else torch.float32
@@ -402,17 +414,6 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name not in table:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16; got {name!r}")
     return table[name]
-
-
-# Quantised targets (adaflash.quant): name -> (weight format, activation dtype). The CPU int4/int8
-# kernels are fast with bfloat16 activations (3-10x slower with float32 ones, kept for exactness checks).
-TARGET_QUANT_DTYPES = {
-    "int4": ("int4", torch.bfloat16),
-    "int4-fp32": ("int4", torch.float32),
-    "int8": ("int8", torch.bfloat16),
-    "int8-fp32": ("int8", torch.float32),
-}
-TARGET_DTYPES = ("float32", "bfloat16", "auto", *TARGET_QUANT_DTYPES)
 
 
 def resolve_target_dtype(name: str) -> tuple[torch.dtype, str | None]:
@@ -469,17 +470,18 @@ def load_target(
     if missing or unexpected:
         raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     dtype, quant = resolve_target_dtype(dtype) if isinstance(dtype, str) else (dtype, None)
-    # Of the stored weights (float32 here): the same target in any run dtype. An int4 target's weights
-    # are the GGUF's own values (bit-identical to the float32 copy), so a drafter trained on the float
-    # target serves it; its greedy reference is its own plain decoding, as for a bfloat16 target.
-    fp = fingerprint(model)
     dev = resolve_device(device)
+    if quant is not None and dev.type != "cpu":
+        raise ValueError(f"target dtype {quant} runs on PyTorch's CPU kernels; use float32 or bfloat16 on {dev}")
+    # Of the stored weights (float32 here): the same target in any run dtype. A quantised target keeps
+    # it: int4 multiplies with the GGUF's own Q4_1 values (with float32 activations bit for bit the
+    # float32 copy's; with bf16 ones scale and minimum rounded to bf16), so a drafter trained on the
+    # float target serves it; its greedy reference is its own plain decoding, as for bfloat16.
+    fp = fingerprint(model)
     model = model.to(device=dev, dtype=dtype).eval().requires_grad_(False)
     if quant is not None:
         from adaflash.quant import quantise_target
 
-        if dev.type != "cpu":
-            raise ValueError(f"target dtype {quant} runs on PyTorch's CPU kernels; use float32 or bfloat16 on {dev}")
         quantise_target(model, quant, gguf)
     prepack(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
