@@ -218,6 +218,7 @@ def machine_key(target, drafter) -> dict:
             proc = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
         except (OSError, StopIteration):
             pass
+    from adaflash.quant import weight_format
     from adaflash.target import fingerprint
 
     return {
@@ -226,7 +227,7 @@ def machine_key(target, drafter) -> dict:
         "torch": torch.__version__,
         "attention": "kv-pool",  # the engine's attention (ragged over one KV pool since issue 21): its step costs differ
         "target": fingerprint(target),
-        "target_dtype": str(target.lm_head.weight.dtype),
+        "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",
         "drafter_dtype": str(drafter.fc.weight.dtype),
         "draft_vocab": 0 if drafter.vocab is None else int(drafter.vocab.numel()),

@@ -316,13 +316,37 @@ def bf16_is_fast() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+# Quantised targets (adaflash.quant): name -> (weight format, activation dtype). PyTorch's CPU int4/int8
+# kernels are fast with bfloat16 activations; with float32 ones 4-40x slower than the float32 target
+# (docs/benchmarks.md), kept because int4-fp32 multiplies with exactly the float32 target's weights.
+TARGET_QUANT_DTYPES = {
+    "int4": ("int4", torch.bfloat16),
+    "int4-fp32": ("int4", torch.float32),
+    "int8": ("int8", torch.bfloat16),
+    "int8-fp32": ("int8", torch.float32),
+}
+TARGET_DTYPES = ("float32", "bfloat16", "auto", *TARGET_QUANT_DTYPES)
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if (torch.cuda.is_available() or bf16_is_fast()) else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name in TARGET_QUANT_DTYPES:
+        raise ValueError(f"dtype {name!r} is a quantised target's weight format, not a dtype here: use float32, bfloat16 or auto")
     if name not in table:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16; got {name!r}")
     return table[name]
+
+
+def resolve_target_dtype(name: str) -> tuple[torch.dtype, str | None]:
+    """A target dtype name -> (activation dtype, quantised weight format or None for float weights)."""
+    if name in TARGET_QUANT_DTYPES:
+        fmt, act = TARGET_QUANT_DTYPES[name]
+        return act, fmt
+    if name not in ("auto", "float32", "fp32", "bfloat16", "bf16"):
+        raise ValueError(f"target dtype must be one of {', '.join(TARGET_DTYPES)}; got {name!r}")
+    return resolve_dtype(name), None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -338,14 +362,18 @@ def resolve_device(name: str) -> torch.device:
 def load_target(
     source: str = "smollm2", dtype: str | torch.dtype = "auto", feature_layers: list[int] | None = None, device: str = "cpu"
 ) -> Target:
-    """`source`: "smollm2" (the packaged GGUF), a .gguf file, or a local HF directory; `device`: see resolve_device."""
+    """`source`: "smollm2" (the packaged GGUF), a .gguf file, or a local HF directory; `dtype`: see
+    resolve_target_dtype (int4 needs a GGUF source: its Q4_1 blocks are used as they are); `device`: see resolve_device."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
+    gguf = None
     if source == "smollm2":
-        path, name = gguf_to_hf_dir(packaged_gguf()), "SmolLM2-135M-Instruct"
+        gguf, name = packaged_gguf(), "SmolLM2-135M-Instruct"
     elif source.endswith(".gguf"):
-        path, name = gguf_to_hf_dir(Path(source)), Path(source).stem
+        gguf, name = Path(source), Path(source).stem
+    if gguf is not None:
+        path = gguf_to_hf_dir(gguf)
     else:
         path, name = Path(source), Path(source).name
         if not (path / "config.json").exists():
@@ -364,9 +392,20 @@ def load_target(
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
-    fp = fingerprint(model)  # of the stored weights (float32 here): the same target in any run dtype
-    model = model.to(device=resolve_device(device), dtype=dtype).eval().requires_grad_(False)
+    dtype, quant = resolve_target_dtype(dtype) if isinstance(dtype, str) else (dtype, None)
+    dev = resolve_device(device)
+    if quant is not None and dev.type != "cpu":
+        raise ValueError(f"target dtype {quant} runs on PyTorch's CPU kernels; use float32 or bfloat16 on {dev}")
+    # Of the stored weights (float32 here): the same target in any run dtype. A quantised target keeps
+    # it: int4 multiplies with the GGUF's own Q4_1 values (with float32 activations bit for bit the
+    # float32 copy's; with bf16 ones scale and minimum rounded to bf16), so a drafter trained on the
+    # float target serves it; its greedy reference is its own plain decoding, as for bfloat16.
+    fp = fingerprint(model)
+    model = model.to(device=dev, dtype=dtype).eval().requires_grad_(False)
+    if quant is not None:
+        from adaflash.quant import quantise_target
+
+        quantise_target(model, quant, gguf)
     prepack(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
     identity = {
@@ -376,4 +415,6 @@ def load_target(
         "hidden_size": config.hidden_size,
         "num_layers": config.num_layers,
     }
+    if quant is not None:
+        identity["weights"] = quant
     return Target(model, tokenizer, identity)

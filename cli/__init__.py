@@ -23,9 +23,15 @@ from adaflash.pipelines.prompts import read_prompts_file
 
 from adaflash.config import UsageError
 from adaflash.drafter import DEFAULT_DRAFTER
+from adaflash.target import TARGET_DTYPES, TARGET_QUANT_DTYPES
 
 CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
 CPU_TREE = 8  # the fastest greedy token tree (nodes) measured on a 2-core CPU (docs/benchmarks.md)
+TARGET_DTYPE_HELP = (
+    "target dtype; float32 keeps greedy speculative output identical to plain decoding. bfloat16, int4 (the GGUF's "
+    "Q4_1 weights on PyTorch's CPU int4 kernel) and int8 (per-channel) run bf16 activations: faster, but at near-ties "
+    "greedy speculative output can differ from their own plain decoding; int4-fp32/int8-fp32: float32 activations, slow"
+)
 LOOKUP = 8  # prompt-lookup branch grafted into every tree by default (tokens; docs/benchmarks.md)
 
 
@@ -209,6 +215,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(
             "--interleave runs engine methods side by side: not with -fullvocab (it switches the shared drafter) or vllm peers"
         )
+    if args.dtype in TARGET_QUANT_DTYPES and any(is_vllm(m) for m in methods):
+        raise UsageError(f"vllm peers run float targets: --dtype {args.dtype} is ours only (compare with float32 or bfloat16)")
     shift = _shift_args(args, methods, concurrency)
     target = load_target(args.target, args.dtype)
     drafter, head = load_drafter_and_head(args.drafter, target, args.drafter_dtype)
@@ -379,7 +387,7 @@ def _add_prompt_args(p: argparse.ArgumentParser, split: str, n: int) -> None:
     p.add_argument("--n-prompts", type=int, default=n, help="prompts per domain")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"], help="target dtype")
+    p.add_argument("--dtype", default="float32", choices=TARGET_DTYPES, help=TARGET_DTYPE_HELP)
     p.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"])
 
 
@@ -428,8 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "auto"],
-        help="target dtype; float32 keeps greedy speculative output identical to plain decoding",
+        choices=TARGET_DTYPES,
+        help=TARGET_DTYPE_HELP,
     )
     g.add_argument(
         "--drafter-dtype",
@@ -460,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="runs/eval", help="report folder")
     e.add_argument("--prompt-sets", default="runs/pretrain-smollm2/prompts", help="folder of eval.parquet (built if missing)")
     e.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"], help="target dtype")
+    e.add_argument("--dtype", default="float32", choices=TARGET_DTYPES, help=TARGET_DTYPE_HELP)
     e.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"])
     e.set_defaults(func=cmd_eval)
 

@@ -38,10 +38,17 @@ def machine_limits(dtype: torch.dtype = torch.float32, n: int = 1536, mib: int =
 
 def target_costs(model) -> dict:
     """FLOPs per verified token and bytes read per step of the target's linear layers, LM head included
-    (a tied embedding counts once, as the LM head)."""
-    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}.values()
-    params = sum(w.numel() for w in weights)
-    return {"flops_per_token": 2 * params, "bytes_per_step": sum(w.numel() * w.element_size() for w in weights)}
+    (a tied embedding counts once, as the LM head); a quantised projection reads its packed weight
+    and scales (adaflash.quant)."""
+    from adaflash.quant import Int4Linear, Int8Linear
+
+    layers = {}  # one entry per weight: (parameters, bytes read)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            layers[id(m.weight)] = (m.weight.numel(), m.weight.numel() * m.weight.element_size())
+        elif isinstance(m, (Int4Linear, Int8Linear)):
+            layers[id(m)] = (m.in_features * m.out_features, sum(b.numel() * b.element_size() for b in m.buffers()))
+    return {"flops_per_token": 2 * sum(n for n, _ in layers.values()), "bytes_per_step": sum(b for _, b in layers.values())}
 
 
 def step_fraction(tokens_per_step: float, step_s: float, costs: dict, limits: dict) -> float:

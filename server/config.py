@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from adaflash.drafter import DEFAULT_DRAFTER
 from adaflash.engine import POLICY_NAMES, known_policy
+from adaflash.target import TARGET_DTYPES, TARGET_QUANT_DTYPES
 
 
 def _positive(section: str, **values) -> None:
@@ -19,7 +20,7 @@ class ModelSection:
     name: str = "smollm2"  # model id clients send in "model" and /v1/models lists
     aliases: list[str] = field(default_factory=lambda: ["adaflash"])  # other accepted "model" values
     target: str = "smollm2"  # 'smollm2' (packaged GGUF), a .gguf file or an HF model directory
-    dtype: str = "float32"  # target dtype; float32 keeps greedy output identical to plain decoding
+    dtype: str = "float32"  # target dtype; float32 keeps greedy output identical to plain decoding (int4: see the guide)
     drafter: str = str(DEFAULT_DRAFTER)  # drafter directory (config.json + model.safetensors [+ length head])
     drafter_dtype: str = "auto"  # auto: bf16 where this CPU runs it fast
     drafter_version: str = "0"  # version label of the initial drafter (the registry's after a hot-swap)
@@ -30,6 +31,8 @@ class ModelSection:
             raise ValueError("model.name must not be empty")
         if not known_policy(self.policy):
             raise ValueError(f"model.policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        if self.dtype not in TARGET_DTYPES:
+            raise ValueError(f"model.dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.dtype!r}")
 
     @property
     def fixed_len(self) -> int | None:
@@ -174,6 +177,8 @@ class ServeConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend != "builtin" and self.model.dtype in TARGET_QUANT_DTYPES:
+            raise ValueError(f"model.dtype {self.model.dtype}: a quantised target runs on the builtin engine only, not {self.backend}")
         if self.backend != "builtin" and self.model.policy in ("head", "ema", "cost"):
             raise ValueError(  # stock engines fix their draft length at start-up: no per-step knob to turn
                 f"model.policy {self.model.policy!r} needs the builtin backend; with backend {self.backend} use "

@@ -154,6 +154,10 @@ def test_roofline_costs_count_each_linear_weight_once():
     net[1].weight = torch.nn.Parameter(net[0].weight.t().contiguous())
     tied = torch.nn.ModuleList([net[0], net[0]])  # one weight reached twice counts once
     assert target_costs(tied) == {"flops_per_token": 2 * 128, "bytes_per_step": 128 * 4}
+    from adaflash.quant import Int8Linear
+
+    quant = torch.nn.ModuleList([Int8Linear(torch.randn(16, 8), torch.bfloat16)])  # int8 weight + a bf16 scale per row
+    assert target_costs(quant) == {"flops_per_token": 2 * 128, "bytes_per_step": 128 + 16 * 2}
     costs, limits = {"flops_per_token": 2e9, "bytes_per_step": 1e9}, {"gflops": 100.0, "gbps": 10.0}
     assert step_fraction(1, 0.2, costs, limits) == 0.5  # memory-bound: reading 1 GB at 10 GB/s takes 0.1 s
     assert step_fraction(100, 4.0, costs, limits) == 0.5  # compute-bound: 200 GFLOP at 100 GFLOP/s take 2 s

@@ -1,0 +1,194 @@
+"""Weight-only quantised Linear layers for the target on CPU: fewer weight bytes read per step.
+
+Two formats, each on one of PyTorch's CPU weight-only kernels:
+- int4 (`_weight_int4pack_mm_for_cpu`, asymmetric, groups of 32 along the input): rebuilt from the
+  GGUF's own Q4_1 blocks (4-bit q, fp16 scale d and minimum m per 32 weights, w = d*q + m), so the
+  values are the file's and not a re-quantisation of the float copy. The kernel computes
+  w = (q - 8) * scale + zero with scale and zero in the activation dtype; we store scale = d and
+  zero = m + 8d. In float32 both are exact (m + 8d fits float32's 24 bits unless d and m differ in
+  magnitude by more than ~2^13: no block of SmolLM2 does), (q - 8) * d is exact and one rounding of
+  d*q + m follows, as in the dequantised copy: the int4 weights equal the float32 target's bit for
+  bit. In bfloat16 scale and zero are rounded to 8 significant bits (the fp16 d and m have 11).
+  Tensors of another GGUF type (SmolLM2's Q8_0 embedding, tied to the LM head) stay in float.
+- int8 (`_weight_int8pack_mm`, one scale per output channel): a symmetric re-quantisation of the
+  float weights (round(w / s), s ~ max|w| / 127), so the weights differ from the file's (any target).
+
+`quantise_target` swaps the target's projection `Linear`s for these modules in place; the forward
+code is unchanged (a module call either way).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32  # Q4_1 block size = the int4 kernel's group size
+Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+PROJECTIONS = {  # GGUF tensor name in block i -> submodule path in the target's layer i
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+WEIGHT_FORMATS = ("int4", "int8")
+
+
+def q4_1_unpack(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 rows as stored in a GGUF (uint8 [N, K/32*20]) -> q (uint8 [N, K], 0..15), d and m
+    (float16 [N, K/32]). In a block the low nibbles hold elements 0..15, the high ones 16..31."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, Q4_1_BYTES)  # [N, K/32, 20]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, K/32]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    nib = blocks[..., 4:]  # [N, K/32, 16]
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)  # [N, K/32, 32]
+    return q.reshape(n, -1), d, m
+
+
+def q4_1_pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Inverse of `q4_1_unpack`: the GGUF's Q4_1 bytes (uint8 [N, K/32*20])."""
+    n = q.shape[0]
+    qb = q.reshape(n, -1, 2, GROUP // 2).astype(np.uint8)  # [N, K/32, 2, 16]
+    nib = qb[:, :, 0] | (qb[:, :, 1] << 4)  # [N, K/32, 16]
+    dm = np.stack([d.astype(np.float16), m.astype(np.float16)], axis=-1).view(np.uint8)  # [N, K/32, 4]
+    return np.concatenate([dm, nib], axis=-1).reshape(n, -1)
+
+
+class Int4Linear(nn.Module):
+    """Bias-free y = x @ w.T with w = d*q + m per group of 32 inputs, on the CPU int4 kernel.
+
+    q: int [N, K] in 0..15; d, m: [N, K/32]; `dtype` is the activation dtype (float32 or bfloat16),
+    in which the kernel also keeps scale and zero."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        n, k = q.shape
+        if k % GROUP or d.shape != (n, k // GROUP) or m.shape != d.shape:
+            raise ValueError(f"int4 weights need K a multiple of {GROUP}, one d and m per group: q {tuple(q.shape)}, d {tuple(d.shape)}")
+        self.in_features, self.out_features, self.dtype = k, n, dtype
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)  # [N, K/2] uint8
+        self.register_buffer("packed", packed)
+        d, m = d.float(), m.float()
+        self.register_buffer("scale_zero", torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(dtype))  # [K/32, N, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # [M, K]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zero)  # [M, N]
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantised(self) -> torch.Tensor:
+        """The weight the kernel multiplies with, [N, K] float32 (what an identity input returns)."""
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        return self(eye).float().T.contiguous()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP}, {self.dtype}"
+
+
+class Int8Linear(nn.Module):
+    """Bias-free y = x @ (q * s).T with q int8 [N, K] and one scale s per output channel [N]."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        w = weight.detach().float()  # [N, K]
+        # The kernel takes the scale in the activation dtype: round it there first (up, so max|w| still
+        # fits in 127 steps), then quantise against the rounded scale: every weight within half a step.
+        scale = (w.abs().amax(dim=1) / 127 * (1 + 2**-7)).clamp(min=torch.finfo(torch.bfloat16).tiny).to(dtype)  # [N]
+        self.in_features, self.out_features, self.dtype = w.shape[1], w.shape[0], dtype
+        self.register_buffer("qweight", (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8))  # [N, K]
+        self.register_buffer("scale", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # [M, K]
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)  # [M, N]
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantised(self) -> torch.Tensor:
+        """The weight the kernel multiplies with, [N, K] float32."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, {self.dtype}"
+
+
+def rope_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """GGUF row for each HF row of a q/k projection: llama.cpp stores each head's rotary pairs
+    interleaved (2i, 2i+1), HF in halves (i, D/2 + i); HF row h*D + j*D/2 + i is GGUF row h*D + 2i + j."""
+    dim = n_rows // n_heads
+    h, rest = np.divmod(np.arange(n_rows), dim)
+    j, i = np.divmod(rest, dim // 2)
+    return h * dim + 2 * i + j
+
+
+def gguf_q4_1(gguf: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, tuple[np.ndarray, ...]], dict[str, str]]:
+    """The Q4_1 projections of a GGUF as {HF module path: (q, d, m)} in HF row order, and
+    {GGUF tensor name: type} of every tensor left in float (other types, non-projections). llama.cpp
+    interleaves q/k rows only for the `llama` architecture (transformers undoes it for that one alone)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    interleaved = reader.fields["general.architecture"].contents() == "llama"
+    found, kept = {}, {}
+    for t in reader.tensors:
+        parts = t.name.split(".")  # blk.{i}.{kind}.weight
+        proj = PROJECTIONS.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
+        if proj is None or t.tensor_type != GGMLQuantizationType.Q4_1:
+            kept[t.name] = t.tensor_type.name
+            continue
+        q, d, m = q4_1_unpack(np.asarray(t.data))
+        if interleaved and parts[2] in ("attn_q", "attn_k"):
+            rows = rope_rows(q.shape[0], num_heads if parts[2] == "attn_q" else num_kv_heads)
+            q, d, m = q[rows], d[rows], m[rows]
+        found[f"model.layers.{parts[1]}.{proj}"] = (q, d, m)
+    return found, kept
+
+
+def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None) -> dict:
+    """Swap the target's projection Linears for `fmt` ("int4" from `gguf`'s Q4_1 blocks, "int8"
+    from the loaded float weights) in the model's dtype, in place; -> a summary of what was
+    converted and what stayed float."""
+    dtype = model.lm_head.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{fmt} weights run with float32 or bfloat16 activations, not {dtype}")
+    paths = [f"model.layers.{i}.{p}" for i in range(len(model.model.layers)) for p in PROJECTIONS.values()]
+    if fmt == "int8":
+        for path in paths:
+            _swap(model, path, Int8Linear(model.get_submodule(path).weight, dtype))
+        return {"format": "int8", "converted": len(paths), "float": ["embedding", "LM head", "norms"]}
+    if fmt != "int4":
+        raise ValueError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}; got {fmt!r}")
+    if gguf is None:
+        raise ValueError("int4 weights are rebuilt from a GGUF's Q4_1 blocks: load the target from 'smollm2' or a .gguf file")
+    c = model.config
+    blocks, kept = gguf_q4_1(gguf, c.num_heads, c.num_kv_heads)
+    if not blocks:
+        raise ValueError(f"{gguf.name} has no Q4_1 projections (types: {sorted(set(kept.values()))}): use int8 or a float dtype")
+    for path, (q, d, m) in blocks.items():
+        _swap(model, path, Int4Linear(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), dtype))
+    float_projections = [p for p in paths if p not in blocks]
+    return {"format": "int4", "converted": len(blocks), "float_projections": float_projections, "float_tensors": kept}
+
+
+def weight_format(model: nn.Module) -> str:
+    """How the model's projections are stored: "int4", "int8" or "float"."""
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            return "int4"
+        if isinstance(m, Int8Linear):
+            return "int8"
+    return "float"
+
+
+def _swap(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    old = model.get_submodule(path)
+    if (old.out_features, old.in_features) != (module.out_features, module.in_features):
+        shape = f"{module.out_features}x{module.in_features}"
+        raise ValueError(f"{path}: quantised weight {shape} does not match {old.out_features}x{old.in_features}")
+    setattr(model.get_submodule(parent), name, module)

@@ -1,0 +1,182 @@
+"""Quantised targets (adaflash.quant): Q4_1 blocks repacked for PyTorch's CPU int4 kernel, the int8
+per-channel kernel, both against a plain dequantised-weight matmul, and a tiny GGUF end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import greedy_reference, tiny_target
+
+from adaflash.quant import GROUP, Int4Linear, Int8Linear, q4_1_pack, q4_1_unpack, quantise_target, rope_rows, weight_format
+from adaflash.target import load_target, resolve_dtype, resolve_target_dtype
+
+
+def q4_1_blocks(w: np.ndarray) -> np.ndarray:
+    """float32 [N, K] -> the GGUF's Q4_1 bytes, quantised by the `gguf` package (llama.cpp's rounding)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return quantize(w.astype(np.float32), GGMLQuantizationType.Q4_1)
+
+
+def file_values(blocks: np.ndarray) -> np.ndarray:
+    """What the GGUF's Q4_1 bytes mean, float32 [N, K], as the `gguf` package (and transformers) dequantise them."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(blocks, GGMLQuantizationType.Q4_1)
+
+
+def test_q4_1_unpack_and_pack_round_trip():
+    rng = np.random.default_rng(0)
+    blocks = q4_1_blocks(rng.normal(size=(24, 96)) * rng.uniform(0.01, 3, size=(24, 1)))  # [24, 3*20] bytes
+    q, d, m = q4_1_unpack(blocks)
+    assert q.shape == (24, 96) and d.shape == m.shape == (24, 3) and d.dtype == np.float16 and q.max() <= 15
+    np.testing.assert_array_equal(q4_1_pack(q, d, m), blocks)
+    dq = d.astype(np.float32).repeat(GROUP, 1) * q + m.astype(np.float32).repeat(GROUP, 1)  # [24, 96]
+    np.testing.assert_array_equal(dq, file_values(blocks))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_int4_linear_matches_dequantised_matmul(rows):
+    rng = np.random.default_rng(rows)
+    q, d, m = q4_1_unpack(q4_1_blocks(rng.normal(size=(48, 128))))
+    ref_w = torch.from_numpy(file_values(q4_1_pack(q, d, m)))  # [48, 128] the file's values
+    x = torch.randn(2, rows, 128)
+    lin = Int4Linear(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), torch.float32)
+    assert torch.equal(lin.dequantised(), ref_w)  # float32 scale = d, zero = m + 8d: the file's weights exactly
+    torch.testing.assert_close(lin(x), x @ ref_w.T, atol=1e-5, rtol=1e-5)
+    bf = Int4Linear(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), torch.bfloat16)
+    assert bf.scale_zero.dtype == torch.bfloat16  # the kernel keeps scale and zero in the activation dtype
+    ref = x.bfloat16().float() @ bf.dequantised().T
+    torch.testing.assert_close(bf(x.bfloat16()).float(), ref, atol=2**-7 * float(ref.abs().max()), rtol=0)  # bf16 output rounding
+    torch.testing.assert_close(bf.dequantised(), ref_w, atol=0.02 * float(ref_w.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_dequantised_matmul(dtype):
+    w = torch.randn(40, 96)
+    lin = Int8Linear(w, dtype)
+    step = lin.scale.float()[:, None]  # [40, 1], in the activation dtype
+    assert lin.qweight.dtype == torch.int8 and ((lin.dequantised() - w).abs() <= step / 2 + 1e-6).all()
+    assert (step <= w.abs().amax(1, keepdim=True) / 125).all()  # at least 125 of the 127 steps used
+    x = torch.randn(7, 96).to(dtype)
+    ref = x.float() @ lin.dequantised().T
+    tol = 1e-5 if dtype == torch.float32 else 2**-7 * float(ref.abs().max())
+    torch.testing.assert_close(lin(x).float(), ref, atol=tol, rtol=0)
+
+
+def test_rope_rows_undo_llama_cpp_permutation():
+    heads, dim, k = 3, 8, 5
+    hf = np.arange(heads * dim * k).reshape(heads * dim, k)
+    gguf = hf.reshape(heads, 2, dim // 2, k).swapaxes(1, 2).reshape(heads * dim, k)  # how llama.cpp's converter stores q/k
+    np.testing.assert_array_equal(gguf[rope_rows(heads * dim, heads)], hf)
+
+
+def write_tiny_gguf(path, model) -> dict[str, torch.Tensor]:
+    """The tiny target's projections as Q4_1 tensors in a llama GGUF (q/k rows permuted as llama.cpp
+    stores them), the embedding as F32; -> {HF module path: the file's float values in HF order}."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from adaflash.quant import PROJECTIONS
+
+    c = model.config
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", model.model.embed_tokens.weight.numpy())
+    values = {}
+    for i in range(c.num_layers):
+        for kind, sub in PROJECTIONS.items():
+            w = model.get_submodule(f"model.layers.{i}.{sub}").weight.numpy()  # [N, K]
+            heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(kind)
+            if heads:
+                w = w.reshape(heads, 2, c.head_dim // 2, -1).swapaxes(1, 2).reshape(w.shape)
+            blocks = q4_1_blocks(w)
+            writer.add_tensor(f"blk.{i}.{kind}.weight", blocks, raw_dtype=GGMLQuantizationType.Q4_1)
+            back = file_values(blocks)
+            values[f"model.layers.{i}.{sub}"] = torch.from_numpy(back[rope_rows(len(back), heads)] if heads else back)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return values
+
+
+def test_int4_target_from_gguf_blocks(tmp_path):
+    model = tiny_target(vocab=96, std=0.2)
+    values = write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    for path, w in values.items():  # the float target with the file's values: the reference
+        model.get_submodule(path).weight.copy_(w)
+    quant = copy.deepcopy(model)
+    info = quantise_target(quant, "int4", tmp_path / "tiny.gguf")
+    assert info["converted"] == 4 * 7 and info["float_tensors"] == {"token_embd.weight": "F32"}
+    assert weight_format(quant) == "int4" and weight_format(model) == "float"
+    for path, w in values.items():
+        assert torch.equal(quant.get_submodule(path).dequantised(), w), path
+    ids = torch.tensor([[3, 17, 42, 8, 61, 5]])
+    torch.testing.assert_close(quant(ids, quant.new_cache())[0], model(ids, model.new_cache())[0], atol=1e-4, rtol=1e-4)
+    assert greedy_reference(quant, [3, 17, 42, 8], 24, []) == greedy_reference(model, [3, 17, 42, 8], 24, [])
+    with pytest.raises(ValueError, match="Q4_1 blocks"):
+        quantise_target(tiny_target(vocab=96), "int4")
+
+
+def test_target_dtype_names(tiny_hf_dir):
+    assert resolve_target_dtype("int4") == (torch.bfloat16, "int4")
+    assert resolve_target_dtype("int4-fp32") == (torch.float32, "int4")
+    assert resolve_target_dtype("float32") == (torch.float32, None)
+    with pytest.raises(ValueError, match="target dtype must be one of"):
+        resolve_target_dtype("int3")
+    with pytest.raises(ValueError, match="quantised target's weight format"):
+        resolve_dtype("int4")  # drafters and exports stay float
+    with pytest.raises(ValueError, match="GGUF's Q4_1 blocks"):
+        load_target(str(tiny_hf_dir), "int4")  # an HF directory has no Q4_1 blocks
+    t = load_target(str(tiny_hf_dir), "int8")
+    assert weight_format(t.model) == "int8" and t.model.dtype == torch.bfloat16 and t.identity["weights"] == "int8"
+    assert t.identity["fingerprint"] == load_target(str(tiny_hf_dir), "float32").identity["fingerprint"]
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_blocks_are_the_float_copy(smollm2_dir):
+    """All 210 projections of the packaged SmolLM2 are Q4_1 (the embedding is Q8_0, the norms F32), and
+    the kernel's float32 form (q - 8) * d + (m + 8d) is the dequantised float32 copy bit for bit."""
+    from safetensors.torch import load_file
+
+    from adaflash.quant import gguf_q4_1
+    from adaflash.target import packaged_gguf
+
+    state = load_file(str(smollm2_dir / "model.safetensors"))
+    blocks, kept = gguf_q4_1(packaged_gguf(), num_heads=9, num_kv_heads=3)
+    assert len(blocks) == 30 * 7 and kept["token_embd.weight"] == "Q8_0" and set(kept.values()) == {"F32", "Q8_0"}
+    for path, (q, d, m) in blocks.items():
+        d32, m32 = d.astype(np.float32).repeat(GROUP, 1), m.astype(np.float32).repeat(GROUP, 1)  # [N, K]
+        zero = m32 + 8 * d32
+        np.testing.assert_array_equal(zero.astype(np.float64), m32.astype(np.float64) + 8 * d32.astype(np.float64))  # exact
+        np.testing.assert_array_equal((q.astype(np.float32) - 8) * d32 + zero, state[f"{path}.weight"].numpy())
+
+
+@pytest.mark.slow
+def test_smollm2_int4_fp32_greedy_equals_float32():
+    """int4-fp32 multiplies with the float32 target's own weights (above), so its plain greedy output is
+    the float32 target's. (int4 with bf16 activations is not compared here: like bfloat16 it rounds
+    attention's float32 results to bf16, and greedy output differs from float32 at near-ties;
+    docs/benchmarks.md has the rates.)"""
+    lines = (Path(__file__).resolve().parent.parent / "examples" / "prompts.jsonl").read_text().splitlines()[:2]
+    f32, int4 = load_target("smollm2", "float32"), load_target("smollm2", "int4-fp32")
+    assert weight_format(int4.model) == "int4" and int4.identity["fingerprint"] == f32.identity["fingerprint"]
+    for line in lines:
+        ids = f32.encode_chat(json.loads(line)["messages"])
+        assert greedy_reference(int4.model, ids, 24, int4.eos_ids) == greedy_reference(f32.model, ids, 24, f32.eos_ids)
+
+
+def test_serve_config_takes_quantised_dtypes_on_the_builtin_backend_only():
+    from adaflash.server.config import ModelSection, ServeConfig
+
+    assert ServeConfig(model=ModelSection(dtype="int4")).model.dtype == "int4"
+    with pytest.raises(ValueError, match="model.dtype must be one of"):
+        ModelSection(dtype="int3")
+    with pytest.raises(ValueError, match="builtin engine only"):
+        ServeConfig(model=ModelSection(dtype="int4", policy="fixed"), backend="vllm")
