@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.kvcache import KVCache, Ragged, pool_of
+from adaflash.kvcache import KVCache, KVPool, Ragged, pool_of
 from adaflash.layers import DecoderLayer, RMSNorm, Rotary, frozen_linear, prepack
 from adaflash.length_head import LengthHead, has_length_head, load_length_head
 from adaflash.target import TargetModel
@@ -142,11 +142,16 @@ class Drafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
-        """batch 1: a row of this drafter's KV pool (what `draft_many` batches over); else a padded batch cache."""
+    def new_pool(self) -> KVPool:
+        """An empty KV pool for this drafter's batch-1 caches (an engine keeps one per drafter version)."""
         c, w = self.config, self.fc.weight
+        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, w.dtype, w.device)
+
+    def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
+        """batch 1: a row of this drafter's shared KV pool (what `draft_many` batches over); else a padded batch cache."""
         if batch == 1:
-            return pool_of(self, c.num_layers, c.num_kv_heads, c.head_dim, w.dtype, w.device).take(capacity)
+            return pool_of(self).take(capacity)
+        c, w = self.config, self.fc.weight
         return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, w.dtype, capacity, w.device)
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,9 @@ import torch
 
 from adaflash.buffer import Round, Trajectory
 from adaflash.drafter import Drafter
+from adaflash.kvcache import KVCache, KVPool
 from adaflash.spec import build_tree, graft, lookup_chain, pick, propose, tree_mask, verify, verify_tree_greedy
-from adaflash.target import KVCache, TargetModel
+from adaflash.target import TargetModel
 
 
 @dataclass
@@ -76,6 +77,14 @@ class DrafterSlot:
     drafter: Drafter | None
     head: object | None = None  # LengthHead trained on this drafter's block states
     version: str = "0"
+    pool: KVPool | None = field(default=None, repr=False)  # its requests' drafter caches, made on first use
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """A drafter cache on this slot's own pool: one pool per engine and drafter version, so a
+        step's rows stay packed at the pool's front (other engines on the same model use their own)."""
+        if self.pool is None:
+            self.pool = self.drafter.new_pool()
+        return self.pool.take(capacity)
 
 
 @dataclass
@@ -290,6 +299,7 @@ class Engine:
         self.lookup, self.lookup_min, self.tree = lookup, lookup_min, tree
         self.target, self.policy = target, policy
         self.slot = DrafterSlot(drafter, head, version)
+        self.pool = target.new_pool()  # the target caches of this engine's requests
         self._lock = threading.Lock()
         self._pending: DrafterSlot | None = None
         self._cancel: set[str] = set()
@@ -384,8 +394,8 @@ class Engine:
             st = RequestState(
                 req,
                 self.slot,
-                self.target.new_cache(1, cap),
-                self.drafter.new_cache(1, cap) if self.policy.drafts else None,
+                self.pool.take(cap),
+                self.slot.new_cache(cap) if self.policy.drafts else None,
                 torch.Generator(device=dev).manual_seed(req.seed),
                 t_start=time.perf_counter(),
             )

@@ -193,11 +193,13 @@ class KVPool:
 _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def pool_of(model: torch.nn.Module, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device) -> KVPool:
-    """The model's pool (one per model object and dtype/device; it dies with the model)."""
+def pool_of(model) -> KVPool:
+    """The model's shared pool (`model.new_pool()`, made on first use; it dies with the model), for
+    caches made outside an engine; it is made anew if the model moved to another dtype or device."""
     pool = _POOLS.get(model)
-    if pool is None or (pool.dtype, pool.device) != (dtype, torch.device(device)) or pool.shape != (n_layers, n_kv_heads, head_dim):
-        pool = _POOLS[model] = KVPool(n_layers, n_kv_heads, head_dim, dtype, device)
+    fresh = model.new_pool()
+    if pool is None or (pool.dtype, pool.device, pool.shape) != (fresh.dtype, fresh.device, fresh.shape):
+        pool = _POOLS[model] = fresh
     return pool
 
 
@@ -247,17 +249,15 @@ class Ragged:
         self.s = max(a + min(n, head) for a, n in zip(starts, lens))
         self.mask = self._head_mask(p, rows_t, starts_t, lens_t, causal, trees) if head else None  # [P, 1, head, S]
         self.dense = self.rows == list(range(self.lo, self.hi)) and all(n == head for n in lens)
-        self.tails = []  # (row, block start, n, mask [1, 1, n - head, start + n]) of requests longer than head
+        self.tails = []  # (row, block start, n, packed slice of the queries past head, their mask [1, 1, n - head, start + n])
+        first = 0
         for r, a, n, tree in zip(self.rows, starts, lens, trees):
             if n > head:
                 ones = torch.ones(n, n, dtype=torch.bool, device=dev)
                 blk = tree.to(dev) if tree is not None else ones.tril() if causal else ones
                 m = torch.cat([pool.valid[r, :a].expand(n, a), blk], dim=1)[head:]  # [n - head, a + n]
-                self.tails.append((r, a, n, m[None, None]))
-        offsets = [0]
-        for n in lens:
-            offsets.append(offsets[-1] + n)
-        self.tail_tok = [torch.arange(offsets[i] + head, offsets[i] + n, device=dev) for i, n in enumerate(lens) if n > head]
+                self.tails.append((r, a, n, slice(first + head, first + n), m[None, None]))
+            first += n
 
     def _head_mask(self, p, rows_t, starts_t, lens_t, causal, trees) -> torch.Tensor:
         """[P, 1, head, S]: what each row's first `head` queries see (padding queries and rows outside
@@ -309,13 +309,17 @@ class Ragged:
             qp = q.view(self.hi - self.lo, self.head, *q.shape[1:]).transpose(1, 2)  # [P, Hq, head, D]
             out = attn.attend_heads(qp, pk[self.lo : self.hi, :, : self.s], pv[self.lo : self.hi, :, : self.s], self.mask)
             return out.view(q.shape[0], -1)
+
+        def alone(r: int, a: int, n: int, idx: slice, m: torch.Tensor) -> torch.Tensor:  # -> [len(idx), Hq*D]
+            return attn.attend_heads(q[idx].transpose(0, 1)[None], pk[r : r + 1, :, : a + n], pv[r : r + 1, :, : a + n], m)[0]
+
+        if not self.head:  # every request on its own, in packed order
+            return torch.cat([alone(*t) for t in self.tails])
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [N, Hq*D]
-        if self.head:
-            qp = q.new_zeros(self.hi - self.lo, self.head, *q.shape[1:])  # [P, head, Hq, D]
-            qp[self.head_row, self.head_col] = q[self.head_tok]
-            heads = attn.attend_heads(qp.transpose(1, 2), pk[self.lo : self.hi, :, : self.s], pv[self.lo : self.hi, :, : self.s], self.mask)
-            out[self.head_tok] = heads[self.head_row, self.head_col]
-        for (r, a, n, m), idx in zip(self.tails, self.tail_tok):
-            qi = q[idx].transpose(0, 1)[None]  # [1, Hq, n - head, D]
-            out[idx] = attn.attend_heads(qi, pk[r : r + 1, :, : a + n], pv[r : r + 1, :, : a + n], m)[0]
+        qp = q.new_zeros(self.hi - self.lo, self.head, *q.shape[1:])  # [P, head, Hq, D]
+        qp[self.head_row, self.head_col] = q[self.head_tok]
+        heads = attn.attend_heads(qp.transpose(1, 2), pk[self.lo : self.hi, :, : self.s], pv[self.lo : self.hi, :, : self.s], self.mask)
+        out[self.head_tok] = heads[self.head_row, self.head_col]
+        for t in self.tails:  # the queries past `head` of longer requests: [n - head, Hq*D] each
+            out[t[3]] = alone(*t)
         return out

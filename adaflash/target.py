@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaflash.kvcache import KVCache, Ragged, pool_of
+from adaflash.kvcache import KVCache, KVPool, Ragged, pool_of
 from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack
 
 
@@ -106,12 +106,17 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def new_pool(self) -> KVPool:
+        """An empty KV pool for this model's batch-1 caches (an engine keeps its own)."""
+        c = self.config
+        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.lm_head.weight.device)
+
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
-        """batch 1: a row of this model's KV pool (what `forward_packed` batches over); else a padded batch cache."""
-        c, dev = self.config, self.lm_head.weight.device
+        """batch 1: a row of this model's shared KV pool (what `forward_packed` batches over); else a padded batch cache."""
         if batch == 1:
-            return pool_of(self, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, dev).take(capacity)
-        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.dtype, capacity, dev)
+            return pool_of(self).take(capacity)
+        c = self.config
+        return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, self.dtype, capacity, self.lm_head.weight.device)
 
     @torch.no_grad()
     def forward(

@@ -214,6 +214,7 @@ def engine_row(engine: Engine, states: list, wall: float, k_blk: int) -> dict:
         "head_true": true_rate,
         "lookup_rounds": sum(r.source == "lookup" for s in states for r in s.rounds) / max(1, rounds),
         "undrafted_rounds": sum(r.verify_len == 1 for s in states for r in s.rounds) / max(1, rounds),
+        "outputs": [list(s.out) for s in states],  # per request in submission order (same_as_ar; not saved)
     }
 
 
@@ -396,6 +397,9 @@ def bench(
                 machine_limits=limits,
                 peak_rss_mib=round(rss),
             )
+            if "ar" in runs and not is_peer(m):  # greedy: every engine method must emit plain decoding's tokens
+                ref = runs["ar"][0]["outputs"]
+                r["same_as_ar"] = sum(a == b for a, b in zip(r["outputs"], ref)) / len(ref)
             rows.append(r)
         cell = [x for x in rows if x["domain"] == domain and x["concurrency"] == conc]
         best = max((x["tokens_per_s"] for x in cell if is_peer(x["method"])), default=None)
@@ -533,8 +537,8 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
         + ("; engine methods in lockstep (one step each in turn, tok/s over each method's own steps)" if meta.get("interleave") else ""),
         "",
         "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | of limit | tau | verify tok/step | max step tok "
-        "| p50 ms/tok | p95 ms/tok | requests | undrafted rounds | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| p50 ms/tok | p95 ms/tok | requests | same as ar | undrafted rounds | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     ms = lambda x: None if x is None else 1000 * x  # noqa: E731
@@ -546,7 +550,8 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
             f"{fmt(r['tau'], '.2f')} | "
             f"{fmt(r['verify_tokens_per_step'], '.1f')} | {fmt(r.get('max_step_tokens'), 'd')} | "
             f"{fmt(ms(r['latency_per_token_p50']), '.0f')} | {fmt(ms(r['latency_per_token_p95']), '.0f')} | "
-            f"{r['n_requests']} | {fmt(pct(r.get('undrafted_rounds')), '.0f')}% | {r['peak_rss_mib']} |"
+            f"{r['n_requests']} | {fmt(pct(r.get('same_as_ar')), '.0f')}% | {fmt(pct(r.get('undrafted_rounds')), '.0f')}% | "
+            f"{r['peak_rss_mib']} |"
         )
     return "\n".join(lines + winners_markdown(rows)) + "\n"
 

@@ -46,6 +46,7 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     # every engine method commits the same greedy tokens as plain decoding
     committed = {(r["method"], r["concurrency"]): r["committed_tokens"] for r in rows}
     assert len({v for (m, c), v in committed.items() if m in ("ar", "fixed", "fixed2", "ema", "head", "cost")}) == 1
+    assert all(r["same_as_ar"] == 1.0 for r in rows if not r["method"].startswith("hf"))  # token for token, per request
     assert (out / "throughput.png").exists() and (out / "head_pred_vs_true.png").exists()
     report = (out / "report.md").read_text()
     assert "| math | 3 | head |" in report and "| fastest | method | vs ar | vs the best fixed length |" in report
@@ -242,6 +243,7 @@ def test_bench_interleave_runs_methods_in_lockstep(tiny_hf_dir, tiny_drafter_dir
     for c in (1, 2):
         here = {r["method"]: r for r in res["rows"] if r["concurrency"] == c}
         assert len({r["committed_tokens"] for r in here.values()}) == 1 and here["ar"]["speedup_vs_ar"] == 1.0
+        assert all(r["same_as_ar"] == 1.0 for r in here.values())
         assert all(r["latency_per_token_p50"] is None and r["tokens_per_s"] > 0 for r in here.values())
     assert "in lockstep" in (tmp_path / "b" / "report.md").read_text()
     assert main([*common, "--methods", "ar,fixed2-fullvocab"]) == 2
