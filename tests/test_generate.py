@@ -38,7 +38,10 @@ class OracleDrafter:
     class Cache:
         length = 0
 
-    def new_cache(self, batch=1, capacity=0):
+    def new_pool(self):  # the engine's drafter pool: `take` hands out a position counter
+        return self
+
+    def take(self, capacity):
         return self.Cache()
 
     def extend_many(self, feats, caches):
