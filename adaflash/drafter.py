@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.kvcache import KVCache, KVPool, Ragged, pool_of
+from adaflash.kvcache import KVCache, KVPool, Ragged, packed_slots, pool_of
 from adaflash.layers import DecoderLayer, RMSNorm, Rotary, frozen_linear, prepack
 from adaflash.length_head import LengthHead, has_length_head, load_length_head
 from adaflash.target import TargetModel
@@ -218,8 +218,7 @@ class Drafter(nn.Module):
             starts.append(start)
             pos.append(p)
         pool = caches[0].pool
-        rows = torch.tensor([c.slot for c in caches], device=ctx.device).repeat_interleave(torch.tensor(lens, device=ctx.device))  # [N]
-        slots = torch.cat([torch.arange(a, a + n, device=ctx.device) for a, n in zip(starts, lens)])  # [N]
+        rows, slots, _ = packed_slots(caches, starts, lens)  # [N] each
         cos, sin = self.rotary(torch.cat(pos, dim=1), ctx.dtype)
         for li, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)  # [1, Hkv, N, D]

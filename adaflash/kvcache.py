@@ -203,6 +203,16 @@ def pool_of(model) -> KVPool:
     return pool
 
 
+def packed_slots(caches: list[KVCache], starts: list[int], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the packed tokens of pooled caches go: request i's n_i tokens at its row, slots starts[i] ..
+    starts[i] + n_i. -> (pool row [N], cache slot [N], column within its request's block [N])."""
+    dev = caches[0].pool.device
+    lens_t = torch.tensor(lens, device=dev)
+    rows = torch.tensor([c.slot for c in caches], device=dev).repeat_interleave(lens_t)
+    cols = torch.cat([torch.arange(n, device=dev) for n in lens])
+    return rows, cols + torch.tensor(starts, device=dev).repeat_interleave(lens_t), cols
+
+
 class Ragged:
     """Where each token of a packed ragged batch sits in a pool, built once per forward for all layers.
 
@@ -239,9 +249,7 @@ class Ragged:
         p = self.hi - self.lo
         self.head = head = self._split(p)
         lens_t, starts_t, rows_t = (torch.tensor(x, device=dev) for x in (lens, starts, self.rows))
-        self.tok_slot = rows_t.repeat_interleave(lens_t)  # [N] pool row of each token
-        self.tok_col = torch.cat([torch.arange(n, device=dev) for n in lens])  # [N] query column in its block
-        self.tok_pos = self.tok_col + starts_t.repeat_interleave(lens_t)  # [N] cache slot
+        self.tok_slot, self.tok_pos, self.tok_col = packed_slots(caches, starts, lens)
         in_head = self.tok_col < head
         self.head_tok = in_head.nonzero()[:, 0]  # [Nh] packed index of the head queries
         self.head_row, self.head_col = self.tok_slot[in_head] - self.lo, self.tok_col[in_head]
