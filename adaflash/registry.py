@@ -6,7 +6,8 @@ serving side's poller that hot-swaps from the registry is `adaflash.server.swap.
 - `Registry`: register a drafter directory as a model version (files logged under `drafter/` of an
   MLflow run, version created from `runs:/<run>/drafter`), read / move the `champion` alias, list
   versions, download a version (safetensors + JSON only, cached per version). Every call retries
-  connection failures with exponential backoff, then raises `RegistryUnavailable`.
+  connection failures with exponential backoff, then raises `RegistryUnavailable`. `resolve` turns a
+  version number or an alias into a version.
 - `bootstrap`: the first drafter becomes version 1 and champion; later calls return the champion.
 
 A downloaded version is a drafter directory: load it with `adaflash.drafter.load_drafter_and_head`.
@@ -181,15 +182,33 @@ class Registry:
         log.info("registered %s as %s version %s (run %s)", drafter_dir, self.model_name, mv.version, run_id)
         return str(mv.version)
 
-    def champion(self) -> str | None:
-        """The version behind alias `champion`; None when there is no alias or no model yet."""
+    def alias_version(self, alias: str) -> str | None:
+        """The version behind `alias`; None when there is no such alias or no model yet."""
         try:
-            mv = self.call("read champion", lambda: self.client.get_model_version_by_alias(self.model_name, CHAMPION))
+            mv = self.call(f"read alias {alias}", lambda: self.client.get_model_version_by_alias(self.model_name, alias))
         except Exception as e:
             if self._missing(e):
                 return None
             raise
         return str(mv.version)
+
+    def champion(self) -> str | None:
+        """The version behind alias `champion`; None when there is no alias or no model yet."""
+        return self.alias_version(CHAMPION)
+
+    def resolve(self, ref: str) -> str:
+        """A version number ("3") or an alias ("champion") -> the version; ValueError naming what exists."""
+        rows = self.versions()
+        if ref.isdigit() and any(r["version"] == ref for r in rows):
+            return ref
+        version = None if ref.isdigit() else self.alias_version(ref)
+        if version is not None:
+            return version
+        aliases = sorted({a for r in rows for a in r["aliases"]})
+        raise ValueError(
+            f"{self.model_name} at {self.tracking_uri} has no version or alias {ref!r} (versions: "
+            f"{', '.join(r['version'] for r in rows) or 'none'}; aliases: {', '.join(aliases) or 'none'})"
+        )
 
     def set_champion(self, version: str) -> None:
         """Point `champion` at `version` (servers swap to it on their next poll; an older one = rollback)."""
