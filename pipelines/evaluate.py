@@ -6,7 +6,8 @@ machine noise hits all alike); greedy outputs are checked token for token. Varia
 lengths) and greedy token trees (`trees`, node counts; each also with a prompt-lookup branch of every
 length in `lookup` > 0). Reports tau, acceptance by block position (a tree's: along the path its
 verification walked) and the wall-clock speedup per domain. The pretraining pipeline's `eval` stage
-and `adaflash eval --drafter DIR` both run `run_eval`.
+and `adaflash eval --drafter DIR` both run `run_eval`; its `gate` stage (pipelines/gate.py) runs two
+drafters side by side in one `evaluate`.
 """
 
 from __future__ import annotations
@@ -65,17 +66,23 @@ def acceptance(rounds: list[Round], k: int) -> tuple[list[int], list[int]]:
 
 def evaluate(
     target: Target,
-    drafter: Drafter,
+    drafters: dict[str, Drafter],
     records: list,
     max_new_tokens: int,
     verify_lens: list[int],
     trees: list[int] = (),
     lookup: list[int] = (0,),
 ) -> dict:
-    """-> {"domains": {domain: {"ar_tokens_per_s", "variants": {"dflash-v16": {...}, "dflash-tree8": ...}}}}."""
-    variants = variants_of(verify_lens, list(trees), list(lookup))
+    """-> {"domains": {domain: {"ar_tokens_per_s", "variants": {"dflash-v16": {...}, "dflash-tree8": ...}}}}.
+    `drafters` by label: label "" names its variants as above; several drafters (the pretraining gate's
+    current and candidate) run on the same prompts in the same run, as "current/dflash-v16", ...."""
+    variants = {
+        f"{label}/{name}" if label else name: (drafter, kw)
+        for label, drafter in drafters.items()
+        for name, kw in variants_of(verify_lens, list(trees), list(lookup)).items()
+    }
     plain = single_request_engine(target.model, None, target.eos_ids)
-    engines = {name: single_request_engine(target.model, drafter, target.eos_ids, **kw) for name, kw in variants.items()}
+    engines = {name: single_request_engine(target.model, d, target.eos_ids, **kw) for name, (d, kw) in variants.items()}
     runs: dict[str, list] = {}
     for rec in tqdm(records, desc="eval", unit="prompt"):
         ids = target.encode_chat(rec.messages)
@@ -83,14 +90,13 @@ def evaluate(
         sds = {name: engine.generate(ids, max_new_tokens) for name, engine in engines.items()}
         runs.setdefault(rec.domain, []).append((rec.prompt_id, ar, sds))
     report = {"max_new_tokens": max_new_tokens, "verify_lens": verify_lens, "trees": list(trees), "lookup": list(lookup), "domains": {}}
-    k = drafter.block_size - 1
     for domain, rows in runs.items():
         ar_tps = sum(len(a.out) for _, a, _ in rows) / sum(a.wall_s for _, a, _ in rows)
         out = {}
-        for name, kw in variants.items():
+        for name, (d, kw) in variants.items():
             sd = [s[name] for _, _, s in rows]
             tps = sum(len(s.out) for s in sd) / sum(s.wall_s for s in sd)
-            drafted, accepted = acceptance([r for s in sd for r in s.rounds], k)
+            drafted, accepted = acceptance([r for s in sd for r in s.rounds], d.block_size - 1)
             rounds = max(1, sum(len(s.rounds) for s in sd))
             out[name] = {
                 **kw,
@@ -120,18 +126,18 @@ def run_eval(
     """Evaluate the drafter in `drafter_dir` (AdaFlash's format or DFlash's) on the eval split in
     `prompts_dir` (built there if missing) against `target`; writes eval.json, eval.md and the
     acceptance plot into `out_dir` and returns the report."""
-    from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
+    from adaflash.pipelines.prompts import available_domains, build_prompt_sets, read_prompts
 
     from adaflash.drafter import load_drafter
     from adaflash.target import load_target
 
     split = Path(prompts_dir) / "eval.parquet"
     if not split.exists():
-        build_prompt_sets(Path(prompts_dir))
+        build_prompt_sets(Path(prompts_dir), available_domains())
     tgt = load_target(target, dtype)
     drafter = load_drafter(drafter_dir, tgt.model, tgt.identity, cfg.drafter_dtype)
     records = read_prompts(split, cfg.domains, cfg.per_domain)
-    report = evaluate(tgt, drafter, records, cfg.max_new_tokens, cfg.verify_lens, cfg.trees, cfg.lookup)
+    report = evaluate(tgt, {"": drafter}, records, cfg.max_new_tokens, cfg.verify_lens, cfg.trees, cfg.lookup)
     write_report(report, Path(out_dir))
     return report
 
