@@ -2,7 +2,7 @@
 
 adaflash generate   plain or speculative generation for prompts (text or JSONL), with statistics
 adaflash eval       plain decoding vs DFlash chains and trees on the eval prompts, for any drafter directory
-adaflash pretrain   offline pretraining pipeline of the initial drafter (configs/pretrain_*.yaml)
+adaflash pretrain   offline pretraining of a drafter, new or continued, with a gate (configs/pretrain_*.yaml)
 adaflash fit-head   offline fit of the adaptive length head, saved beside the drafter
 adaflash bench      methods side by side (plain, DFlash, EMA, AdaFlash head, cost, transformers peers)
 adaflash policy-eval  the cost policy's acceptance model on held-out rounds (AUC, R^2, reliability)
@@ -33,6 +33,25 @@ TARGET_DTYPE_HELP = (
     "greedy speculative output can differ from their own plain decoding; int4-fp32/int8-fp32: float32 activations, slow"
 )
 LOOKUP = 8  # prompt-lookup branch grafted into every tree by default (tokens; docs/benchmarks.md)
+PRETRAIN_HELP = """\
+Stages, in this order, each resuming where it stopped:
+  prompts     per-domain train/eval prompt sets (deterministic split) in run_dir/prompts
+  regenerate  the target answers the training prompts (shards in run_dir/answers; regen.time_limit_min)
+  train       DeepSpeed training from drafter.init (checkpoints in run_dir/checkpoints; train.time_limit_min)
+  export      the latest checkpoint as a drafter directory at drafter_out
+  eval        plain decoding vs the exported drafter's chains/trees on the eval split (report in drafter_out)
+  gate        only with a gate: section: the export and gate.current in one eval run (chain tau, whole
+              block, no tree, no lookup; greedy output checked against plain decoding) on every
+              eval.domains domain; the export replaces gate.current (or goes to --gate-out) only when its
+              tau is higher on every domain. The table: run_dir/gate.md and gate.json.
+
+drafter.init: random | target-last | a drafter directory (models/drafter-smollm2) | registry:<version|alias>
+(MLflow, $MLFLOW_TRACKING_URI). Continuing keeps the init drafter's architecture and draft vocabulary; a
+drafter for another target, or drafter.num_layers/block_size/qk_norm that differ from it, are refused.
+
+  adaflash pretrain --config configs/pretrain_smollm2_continue.yaml --stage prompts,regenerate,train,export,gate
+  adaflash pretrain --config configs/pretrain_smollm2_continue.yaml --stage gate --gate-out runs/gate-trial
+"""
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -126,7 +145,14 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from adaflash.config import load_config
 
     cfg = load_config(args.config, PretrainConfig)
-    stages = STAGES if args.stage == "all" else [s.strip() for s in args.stage.split(",")]
+    if args.gate_out is not None:
+        if cfg.gate is None:
+            raise UsageError(f"--gate-out: {args.config} has no gate: section")
+        cfg.gate.out = args.gate_out
+    if args.stage == "all":
+        stages = [s for s in STAGES if s != "gate" or cfg.gate is not None]
+    else:
+        stages = [s.strip() for s in args.stage.split(",")]
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise UsageError(f"unknown stage(s) {bad}; stages are {', '.join(STAGES)} or all")
@@ -474,11 +500,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "pretrain",
-        help="offline pretraining pipeline of the initial drafter",
-        description="Stages: prompts, regenerate, train, export, eval. Each resumes where it stopped.",
+        help="offline pretraining of a drafter, new or continued from an existing one, with a gate",
+        description=PRETRAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t.add_argument("--config", required=True, help="YAML, e.g. configs/pretrain_smollm2.yaml")
-    t.add_argument("--stage", default="all", help="comma-separated stages or 'all'")
+    t.add_argument("--config", required=True, help="YAML, e.g. configs/pretrain_smollm2.yaml or configs/pretrain_smollm2_continue.yaml")
+    t.add_argument("--stage", default="all", help="comma-separated stages, or 'all' (gate only with a gate: section)")
+    t.add_argument(
+        "--gate-out",
+        default=None,
+        metavar="DIR",
+        help="gate stage: write a passing candidate to DIR instead of over gate.current (a trial that leaves the committed drafter alone)",
+    )
     t.set_defaults(func=cmd_pretrain)
 
     b = sub.add_parser(

@@ -7,6 +7,14 @@ Stages, each resumable (`adaflash pretrain --config configs/pretrain_smollm2.yam
               checkpoints every `save_every` steps and resumes from the latest one
   export      writes the drafter directory (bf16 safetensors + config.json with target identity)
   eval        tau per domain on the eval split with the exported drafter (greedy, fp32 target)
+  gate        with a `gate:` section: the export against the committed drafter in one eval run; it
+              replaces that drafter only when its tau is higher on every domain (pipelines/gate.py)
+
+The drafter starts from random weights, from the target's last layers, or from an existing drafter
+(`drafter.init`: a drafter directory such as the committed one, or `registry:<version|alias>`):
+continual pretraining, which keeps that drafter's architecture and draft vocabulary. The run copies
+its starting drafter into run_dir/init once, so resumes and the export do not depend on where it
+came from (the gate may replace it meanwhile).
 """
 
 from __future__ import annotations
@@ -21,15 +29,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 from adaflash.pipelines.evaluate import EvalSection
+from adaflash.pipelines.gate import GateSection, install_drafter
 from tqdm import tqdm
 
 from adaflash.config import to_dict
 from adaflash.distributed import from_rank0, init_distributed
-from adaflash.drafter import DRAFT_VOCAB, Drafter, DrafterConfig
+from adaflash.drafter import CONFIG, DRAFT_VOCAB, Drafter, DrafterConfig, load_drafter
 from adaflash.recipe import VOCABS, LossSection, StepSection, deepspeed_config, train_step
 from adaflash.target import Target, load_target
 
-STAGES = ("prompts", "regenerate", "train", "export", "eval")
+STAGES = ("prompts", "regenerate", "train", "export", "eval", "gate")
+NEW_INITS = ("random", "target-last")  # drafter.init values that build a new drafter; anything else names one
+REGISTRY = "registry:"  # drafter.init prefix of an MLflow registry version or alias
+START = "start.json"  # beside the run's copy of its init drafter: what drafter.init named
 
 
 @dataclass
@@ -60,18 +72,37 @@ class RegenSection:
 
 @dataclass
 class DrafterSection:
-    num_layers: int = 3
-    block_size: int = 16
-    init: str = "random"  # "random", or "target-last": start from the target's last layers (see init_from_target)
-    qk_norm: bool = True  # per-head q/k RMSNorm (Qwen3 style); match the target's style when init is target-last
-    draft_vocab: str | None = None  # a drafter directory whose draft vocabulary the new drafter drafts from
+    init: str = "random"  # "random"; "target-last": the target's last layers (init_from_target); a drafter
+    #                       directory or "registry:<version|alias>": continue training that drafter
+    num_layers: int | None = None  # None: the init drafter's, else 3 (a value that differs from the init drafter's is refused)
+    block_size: int | None = None  # None: the init drafter's, else 16
+    qk_norm: bool | None = None  # per-head q/k RMSNorm (Qwen3 style; match the target's for target-last); None: the init's, else true
+    draft_vocab: str | None = None  # a drafter directory whose draft vocabulary a new drafter drafts from
     #                                 (trained with that head under train.vocab draft, exported with it); None = all
+    tracking_uri: str | None = None  # MLflow server of a registry: init; None = $MLFLOW_TRACKING_URI, else http://127.0.0.1:5000
+    model_name: str = "adaflash-drafter"  # registered model of a registry: init
 
     def __post_init__(self):
-        if self.init not in ("random", "target-last"):
-            raise ValueError(f"init must be 'random' or 'target-last', got {self.init!r}")
+        if self.init in NEW_INITS:
+            self.num_layers = 3 if self.num_layers is None else self.num_layers
+            self.block_size = 16 if self.block_size is None else self.block_size
+            self.qk_norm = True if self.qk_norm is None else self.qk_norm
+        elif self.init.startswith(REGISTRY) and not self.init.removeprefix(REGISTRY):
+            raise ValueError(f"init {self.init!r} names no version: e.g. registry:champion or registry:3")
+        elif not self.init.startswith(REGISTRY) and not (Path(self.init) / CONFIG).exists():
+            raise ValueError(
+                f"init must be 'random', 'target-last', a drafter directory or 'registry:<version|alias>', got {self.init!r} "
+                f"(no {CONFIG} there)"
+            )
+        if self.draft_vocab is not None and self.continues:
+            raise ValueError(f"draft_vocab: a drafter continued from {self.init} keeps its draft vocabulary; remove drafter.draft_vocab")
         if self.draft_vocab is not None and not (Path(self.draft_vocab) / DRAFT_VOCAB).exists():
             raise ValueError(f"drafter.draft_vocab: {self.draft_vocab}/{DRAFT_VOCAB} is missing (make it with `adaflash draft-vocab`)")
+
+    @property
+    def continues(self) -> bool:
+        """Whether training continues an existing drafter (init names one) rather than building a new one."""
+        return self.init not in NEW_INITS
 
 
 @dataclass
@@ -111,6 +142,7 @@ class PretrainConfig:
     drafter: DrafterSection = field(default_factory=DrafterSection)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    gate: GateSection | None = None  # the gate stage's section (pipelines/gate.py); none: no gate stage
 
     def __post_init__(self):
         if not self.regen.store_features and self.train.features == "stored":
@@ -239,6 +271,63 @@ def init_from_target(drafter: Drafter, target: Target) -> None:
     drafter.hidden_norm.weight.copy_(layers[min(deepest + 1, len(layers) - 1)].input_layernorm.weight.float())
 
 
+def init_copy(cfg: PretrainConfig, run_dir: Path) -> Path:
+    """drafter.init as this run's own directory, run_dir/init: copied from the drafter directory it names or
+    downloaded from the MLflow registry on the first call, reused by resumes and the export (a run that was
+    started from another init is refused)."""
+    dest, spec = run_dir / "init", cfg.drafter.init
+    if (dest / START).exists():
+        started = json.loads((dest / START).read_text())
+        if started["init"] != spec:
+            raise ValueError(f"{run_dir} was started from drafter.init {started['init']}, the config now says {spec}: use another run_dir")
+        return dest
+    version = None
+    if spec.startswith(REGISTRY):
+        from adaflash.registry import Registry
+
+        uri = cfg.drafter.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+        registry = Registry(uri, cfg.drafter.model_name)
+        version = registry.resolve(spec.removeprefix(REGISTRY))
+        src = registry.download(version, run_dir / "registry")
+    else:
+        src = Path(spec)
+    return install_drafter(src, dest, {START: json.dumps({"init": spec, "version": version, "source": str(src)}) + "\n"})
+
+
+def start_drafter(cfg: PretrainConfig, target: Target, run_dir: Path) -> Drafter:
+    """The drafter training starts from (and the export fills): the one drafter.init names, with its
+    architecture and draft vocabulary, after checking it fits the config and the target; else a new one
+    (random, or the target's last layers). A resumed run then loads its checkpoint over it."""
+    dc = cfg.drafter
+    if not dc.continues:
+        drafter = new_drafter(cfg, target)
+        if dc.init == "target-last":
+            if dc.qk_norm != target.model.config.qk_norm:
+                raise ValueError(
+                    "drafter.init target-last copies the target's attention: set drafter.qk_norm to the "
+                    f"target's style ({target.model.config.qk_norm})"
+                )
+            init_from_target(drafter, target)
+        return drafter
+    src = init_copy(cfg, run_dir)
+    try:
+        drafter = load_drafter(src, target.model, target.identity, torch.float32)  # refuses another target's drafter
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"drafter.init {dc.init} cannot continue on target {cfg.target.source}: {e}. Continue from a drafter trained "
+            "for this target, or start a new one (drafter.init: random)"
+        ) from e
+    for key in ("num_layers", "block_size", "qk_norm"):
+        want, have = getattr(dc, key), getattr(drafter.config, key)
+        if want is not None and want != have:
+            raise ValueError(
+                f"drafter.{key} is {want} but the init drafter {dc.init} has {have}: the architecture comes from the "
+                f"init drafter; remove drafter.{key} (or start a new drafter with drafter.init: random)"
+            )
+    drafter.attach(target.model)  # the target's own frozen head and embedding (bf16 when training under autocast), as a new drafter
+    return drafter.train().requires_grad_(True)
+
+
 def save_checkpoint(engine, ckpt: Path, step: int, rank: int = 0) -> None:
     """DeepSpeed state (optimizer, scheduler, for resuming; every rank takes part) plus the weights as
     safetensors (for export; written by rank 0)."""
@@ -265,16 +354,11 @@ def train(cfg: PretrainConfig, target: Target, run_dir: Path) -> dict:
     tc = cfg.train
     data = AnswerSet(answers_path(cfg), cfg.train.domains, features=tc.features == "stored")
     dev = target.model.lm_head.weight.device
-    torch.manual_seed(tc.seed)
-    drafter = new_drafter(cfg, target)
-    if cfg.drafter.init == "target-last":
-        if cfg.drafter.qk_norm != target.model.config.qk_norm:
-            raise ValueError(
-                "drafter.init target-last copies the target's attention: set drafter.qk_norm to the "
-                f"target's style ({target.model.config.qk_norm})"
-            )
-        init_from_target(drafter, target)  # a resumed run overwrites this with its checkpoint
     init_distributed()
+    if cfg.drafter.continues:  # one rank copies (or downloads) the init drafter into the run; the others wait for it
+        from_rank0(init_copy(cfg, run_dir) if torch.distributed.get_rank() == 0 else None)
+    torch.manual_seed(tc.seed)
+    drafter = start_drafter(cfg, target, run_dir)  # a resumed run overwrites its weights with the checkpoint
     config = deepspeed_config(tc, scheduler=warmup_cosine(tc))
     engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=drafter.parameters(), config=config)
     ckpt = run_dir / "checkpoints"
@@ -334,7 +418,7 @@ def export(cfg: PretrainConfig, target: Target, run_dir: Path) -> Path:
     from safetensors.torch import load_file
 
     state = load_file(str(ckpt / tag / "drafter.safetensors"))
-    drafter = new_drafter(cfg, target)
+    drafter = start_drafter(cfg, target, run_dir)  # the shape and draft vocabulary the weights were trained in
     drafter.load_state_dict(state)
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     extra = {
@@ -344,6 +428,7 @@ def export(cfg: PretrainConfig, target: Target, run_dir: Path) -> Path:
             "steps": log[-1]["step"] if log else 0,
             "config": to_dict(cfg.train),
             "sequences": len(AnswerSet(answers_path(cfg), cfg.train.domains, features=False)),
+            "init": json.loads((run_dir / "init" / START).read_text()) if cfg.drafter.continues else cfg.drafter.init,
         }
     }
     return drafter.save(Path(cfg.drafter_out), extra=extra)
@@ -359,7 +444,7 @@ def stage_device(name: str) -> str:
 def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
     """Run the named stages in pipeline order; each stage resumes where it stopped."""
     from adaflash.pipelines.evaluate import run_eval
-    from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
+    from adaflash.pipelines.prompts import available_domains, build_prompt_sets, read_prompts
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and set(stages) != {"train"}:
         raise ValueError(
@@ -374,7 +459,7 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
         t0 = time.perf_counter()
         print(f"[adaflash] stage {stage}", flush=True)
         if stage == "prompts":
-            build_prompt_sets(prompts_dir)
+            build_prompt_sets(prompts_dir, available_domains())  # the optional and target-written domains too
         elif stage in ("regenerate", "train", "export"):
             # the frozen target weights the drafter shares: bf16 for regeneration and autocast training
             dtype = {"regenerate": cfg.regen.dtype, "train": "bfloat16" if cfg.train.autocast_bf16 else "float32"}.get(stage, "float32")
@@ -407,6 +492,13 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
                 d: {name: {"tau": round(v["tau"], 2), "speedup": round(v["speedup"], 2)} for name, v in r["variants"].items()}
                 for d, r in report["domains"].items()
             }
+        elif stage == "gate":
+            if cfg.gate is None:
+                raise ValueError("the gate stage needs a `gate:` section (gate.current: the drafter to beat and replace)")
+            from adaflash.pipelines.gate import run_gate
+
+            result = run_gate(cfg.gate, cfg.eval, cfg.drafter_out, prompts_dir, run_dir, cfg.target.source, cfg.target.dtype)
+            summary[stage] = {"replaced": result["installed"], "decision": result["decision"], "table": str(run_dir / "gate.md")}
         timings[stage] = round(time.perf_counter() - t0, 1)
     if int(os.environ.get("RANK", "0")) != 0:
         return {"seconds": timings, **summary}
