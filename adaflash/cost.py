@@ -2,15 +2,25 @@
 
 A step's wall time is modelled as linear in what it does (seconds):
 
-    verification   (target.forward_packed)       t_T = a0 + a1 * R + a2 * max(N - knee, 0)   R requests, N tokens verified
-    drafting       (draft_many + draft logits)   t_D = d0 + d1 * Rd + d2 * Rd * Ld            Rd requests drafted, blocks of Ld
+    verification   (target.forward_packed)       t_T = a0 + a1 * R + a2 * g(N)      R requests, N tokens verified
+    drafting       (extend, draft, logits)       t_D = d0 + d1 * Rd + d2 * Rd * Ld + d3 * Cx
+                                                 Rd requests drafted, blocks of Ld, Cx context tokens
 
-The knee is the roofline's shape: a forward over few token rows is bound by reading the weights, so
-rows are nearly free until the batch becomes compute-bound (a single request's forward over 1 or 8
-tokens costs the same on a CPU), then each row costs a2 (one more row through every linear). a1 is the
-per-request attention work. The knee is fitted on the calibration points (the candidate with the
-smallest relative residual; 0 gives a model linear in N); on a GPU it lies far out. The cost-aware
-verify policy (adaflash.policy_cost) reads the step's seconds as a function of the tokens it verifies.
+g(N) is what N token rows cost the target's linear layers beyond one row: the roofline's shape. A
+forward over few rows is bound by reading the weights, so rows are nearly free until the batch becomes
+compute-bound (a single request's forward over 1 or 8 tokens costs the same on a CPU), then each row
+costs about the same; but the matmul kernels work in tiles, so the curve is a staircase (on a 2-core
+AVX-512 machine, float32, one thread: 33 rows cost 11% more than 32, 36 no more than 33), and a
+batch of 32 plain-decoding requests sits right at a step's edge, where one more row costs a tenth
+of the step. `calibrate` therefore times the linear layers themselves at every row count up to 64,
+then every 4 to 128 (`time_rows`, ROWS_GRID; the staircase made non-decreasing), and g(N) = S(N) - S(1) in seconds, a2
+about 1. Without that measurement (a calibration cached before it, or points given by hand), g(N) =
+max(N - knee, 0) with the knee fitted on the calibration points (the candidate with the smallest
+relative residual; 0 gives a model linear in N). a1 is the per-request attention work. Cx: a request
+that drafts first extends its drafter cache with the target features of every token it committed
+since it last drafted (`Engine._extend_context`), so one that skipped many steps costs more to draft
+(on this CPU the extension was 40-50% of drafting at concurrency 32). The cost-aware verify policy
+(adaflash.policy_cost) reads the step's seconds as a function of the tokens it verifies.
 
 `calibrate` times a small grid of both passes (a few seconds) on dummy caches. `load_or_calibrate`
 keeps that under the user cache (`cache_root()/cost/`), keyed by CPU/GPU model, torch threads, the
@@ -100,35 +110,55 @@ def fit_knee(points: list[tuple[int, int, float]]) -> int:
 
 
 class StepCost:
-    """The two linear models; `verify(R, N)` and `draft(Rd, Ld)` in seconds (0 drafted = no pass)."""
+    """The two linear models; `verify(R, N)` and `draft(Rd, Ld)` in seconds (0 drafted = no pass).
+    drafter_points: (Rd, Ld, Cx, seconds), or (Rd, Ld, seconds) with no context extended; rows: [(N,
+    seconds)] of the linear layers at N token rows (`time_rows`), or None (the knee model)."""
 
-    def __init__(self, target_points: list[tuple[int, int, float]], drafter_points: list[tuple[int, int, float]], forget: float = 0.97):
-        self.points = {"target": list(target_points), "drafter": list(drafter_points)}
-        self.knee = fit_knee(self.points["target"])
+    def __init__(
+        self,
+        target_points: list[tuple[int, int, float]],
+        drafter_points: list[tuple[int, int, float]],
+        forget: float = 0.97,
+        rows: list[tuple[int, float]] | None = None,
+    ):
+        drafter_points = [tuple(p) if len(p) == 4 else (p[0], p[1], 0, p[2]) for p in drafter_points]
+        self.points = {"target": list(target_points), "drafter": drafter_points, "rows": list(rows or [])}
+        self.knee = 0 if rows else fit_knee(self.points["target"])
+        self._g = rows_feature(rows) if rows else None  # [max N + 1] g(N) in seconds
         self.target = Linear(["1", "R", "N"], [self._x(r, n) for r, n, _ in target_points], [t for *_, t in target_points], forget)
         self.drafter = Linear(
-            ["1", "Rd", "RdLd"], [[1.0, r, r * ld] for r, ld, _ in drafter_points], [t for *_, t in drafter_points], forget
+            ["1", "Rd", "RdLd", "Cx"], [[1.0, r, r * ld, cx] for r, ld, cx, _ in drafter_points], [t for *_, t in drafter_points], forget
         )
 
+    def g(self, n: torch.Tensor) -> torch.Tensor:
+        """Token counts [M] (long) -> the token feature [M]: the rows' measured cost beyond one row
+        (linear past the largest measured count), or tokens beyond the knee."""
+        if self._g is None:
+            return (n.double() - self.knee).clamp(min=0)
+        top = len(self._g) - 1
+        slope = (self._g[top] - self._g[top // 2]) / (top - top // 2)  # seconds per row at the far end
+        return self._g[n.clamp(max=top)] + slope * (n - top).clamp(min=0)
+
     def _x(self, r: int, n: int) -> list[float]:
-        """Verify-cost features: 1, R, tokens beyond the knee."""
-        return [1.0, float(r), float(max(n - self.knee, 0))]
+        """Verify-cost features: 1, R, g(N)."""
+        return [1.0, float(r), float(self.g(torch.tensor([n]))[0])]
 
     def verify(self, r: int, n: int) -> float:
         return max(self.target(*self._x(r, n)), 1e-6)
 
     def verify_curve(self, r: int, n: int, extra: int) -> torch.Tensor:
         """[extra + 1] seconds of verifying N = n .. n + extra tokens over r requests (non-decreasing)."""
-        beyond = (torch.arange(n, n + extra + 1, dtype=torch.float64) - self.knee).clamp(min=0)  # [extra + 1]
+        g = self.g(torch.arange(n, n + extra + 1))  # [extra + 1]
         a0, a1 = float(self.target.theta[0]), float(self.target.theta[1])
-        return (a0 + a1 * r + self.per_token * beyond).clamp(min=1e-6)
+        return (a0 + a1 * r + self.per_token * g).clamp(min=1e-6)
 
-    def draft(self, rd: int, ld: int) -> float:
-        return max(self.drafter(1.0, rd, rd * ld), 0.0) if rd else 0.0
+    def draft(self, rd: int, ld: int, cx: int = 0) -> float:
+        return max(self.drafter(1.0, rd, rd * ld, cx), 0.0) if rd else 0.0
 
     @property
     def per_token(self) -> float:
-        """Seconds one more verified token beyond the knee adds to a step (never below a microsecond)."""
+        """The coefficient of g(N): seconds per token beyond the knee, or (a measured staircase) the
+        factor from the linear layers' time to the step's, about 1 (never below 1e-6)."""
         return self.target.coef("N", 1e-6)
 
     @property
@@ -136,33 +166,63 @@ class StepCost:
         """(per pass, per drafted request, per drafted block row) seconds."""
         return self.drafter.coef("1"), self.drafter.coef("Rd"), self.drafter.coef("RdLd")
 
+    @property
+    def per_context(self) -> float:
+        """Seconds per context token a drafting request extends its drafter cache with."""
+        return self.drafter.coef("Cx")
+
     def observe_verify(self, r: int, n: int, seconds: float) -> None:
         self.target.observe(self._x(r, n), seconds)
 
-    def observe_draft(self, rd: int, ld: int, seconds: float) -> None:
+    def observe_draft(self, rd: int, ld: int, seconds: float, cx: int = 0) -> None:
         if rd:
-            self.drafter.observe([1.0, rd, rd * ld], seconds)
+            self.drafter.observe([1.0, rd, rd * ld, cx], seconds)
 
     def plausible(self, tol: float = 0.35) -> bool:
         """Every calibration point within `tol` of the fit and the marginal costs positive: a sweep that
         other processes disturbed fails this, and is then used but not cached."""
         ok = self.target.coef("N") > 0 and self.target.coef("R") > 0 and self.drafter.coef("RdLd") >= 0
         fits = [(self.verify(r, n), t) for r, n, t in self.points["target"]]
-        fits += [(self.draft(r, ld), t) for r, ld, t in self.points["drafter"]]
+        fits += [(self.draft(r, ld, cx), t) for r, ld, cx, t in self.points["drafter"]]
+        if self.points["rows"]:  # at most a tenth of the row counts slowed by more than `tol`
+            raw = torch.tensor([t for _, t in self.points["rows"]], dtype=torch.float64)
+            ok = ok and float((raw > (1 + tol) * clean_rows(self.points["rows"])).double().mean()) <= 0.1
         return ok and all(abs(f - t) <= tol * t for f, t in fits)
 
     def to_json(self) -> dict:
-        return {"target": self.points["target"], "drafter": self.points["drafter"]}
+        return {"target": self.points["target"], "drafter": self.points["drafter"], "rows": self.points["rows"]}
 
     @classmethod
     def from_json(cls, d: dict, forget: float = 0.97) -> "StepCost":
-        return cls([tuple(p) for p in d["target"]], [tuple(p) for p in d["drafter"]], forget)
+        rows = [tuple(p) for p in d.get("rows") or []]
+        return cls([tuple(p) for p in d["target"]], [tuple(p) for p in d["drafter"]], forget, rows or None)
+
+
+def clean_rows(rows: list[tuple[int, float]]) -> torch.Tensor:
+    """[(N, seconds)] sorted by N -> [M] seconds, each the least measured at N or more rows: more rows
+    never cost less, and another process only ever slows a measurement, so that removes its spikes."""
+    t = torch.tensor([s for _, s in rows], dtype=torch.float64)
+    return t.flip(0).cummin(0).values.flip(0)
+
+
+def rows_feature(rows: list[tuple[int, float]]) -> torch.Tensor:
+    """[(N, seconds)] of the linear layers -> g [max N + 1]: g(N) = S(N) - S(1), S the cleaned
+    measurements (`clean_rows`) interpolated between the measured counts."""
+    n = torch.tensor([r for r, _ in rows], dtype=torch.float64)
+    t = clean_rows(rows)  # [M] sorted by N
+    grid = torch.arange(int(n[-1]) + 1, dtype=torch.float64)
+    idx = torch.searchsorted(n, grid).clamp(1, len(n) - 1)  # [G]: the measured count at or above each N
+    w = ((grid - n[idx - 1]) / (n[idx] - n[idx - 1])).clamp(0, 1)
+    s = t[idx - 1] + w * (t[idx] - t[idx - 1])  # [G]
+    return (s - s[1]).clamp(min=0)
 
 
 # ----------------------------------------------------------------------------- calibration
+ROWS_GRID = tuple(range(1, 65)) + tuple(range(68, 129, 4)) + (160, 192)  # token rows time_rows measures
 # (requests, tokens each), up to the batch sizes the engine serves (a fit only interpolates well)
 TARGET_GRID = ((1, 1), (1, 4), (1, 8), (1, 16), (1, 32), (4, 1), (4, 4), (8, 1), (8, 4), (8, 8), (16, 1), (32, 1), (32, 2))
 DRAFTER_GRID = ((1, 2), (1, 16), (4, 4), (8, 2), (8, 8), (32, 2), (32, 4))  # (requests drafted, block length)
+EXTEND_GRID = ((1, 4, 32), (8, 4, 8), (8, 4, 32), (32, 4, 4), (32, 4, 16))  # drafted after extending (tokens each)
 
 
 def _seconds(fn) -> float:
@@ -171,40 +231,85 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t
 
 
+def _linears(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linear layers in `module` (float, int4 or int8 weights): what token rows cost."""
+    return [m for m in module.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+
+
+@torch.no_grad()
+def time_rows(target, reps: int = 3, grid: tuple[int, ...] = ROWS_GRID) -> list[tuple[int, float]]:
+    """[(N, seconds)]: the target's linear layers (the first decoder layer's, times the number of
+    layers, plus the LM head) on N token rows, the fastest of `reps` sweeps over the grid. The step
+    shape of the matmul kernels' tiles shows here without the noise of whole forwards."""
+    layer, head = _linears(target.model.layers[0]), target.lm_head
+    dev, dt = head.weight.device, target.dtype
+    xs = {m.in_features: torch.randn(max(grid), m.in_features, device=dev, dtype=dt) for m in layer + [head]}
+    n_layers = len(target.model.layers)
+
+    def run(n: int) -> None:
+        for m in layer:
+            m(xs[m.in_features][:n])
+        head(xs[head.in_features][:n])
+
+    def secs(n: int) -> float:  # layers x n_layers + head, each timed once
+        t0 = time.perf_counter()
+        for m in layer:
+            m(xs[m.in_features][:n])
+        t1 = time.perf_counter()
+        head(xs[head.in_features][:n])
+        return (t1 - t0) * n_layers + time.perf_counter() - t1
+
+    run(grid[0])
+    best = [float("inf")] * len(grid)
+    for _ in range(reps):
+        best = [min(b, secs(n)) for b, n in zip(best, grid)]
+    return list(zip(grid, best))
+
+
 @torch.no_grad()
 def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) -> StepCost:
-    """Time verification and drafting over TARGET_GRID / DRAFTER_GRID on dummy requests with a
-    `context`-token prompt each (one packed prefill, then every point verifies and rolls back), the
-    fastest of `reps` sweeps over the whole grid per point (a burst of other work then slows one sweep,
-    not every repetition of one point). About 8 s for SmolLM2 on two idle CPU cores."""
+    """Time verification and drafting over TARGET_GRID / DRAFTER_GRID / EXTEND_GRID on dummy requests
+    with a `context`-token prompt each (one packed prefill, then every point verifies or extends and
+    rolls back), the fastest of `reps` sweeps over the whole grid per point (a burst of other work then
+    slows one sweep, not every repetition of one point), and the linear layers' row staircase
+    (`time_rows`). About 15 s for SmolLM2 on two idle CPU cores."""
     g = torch.Generator().manual_seed(seed)
     dev = target.lm_head.weight.device
     n_req = max(r for r, _ in TARGET_GRID + DRAFTER_GRID)
     k_max = max(n for _, n in TARGET_GRID)
+    x_max = max(x for *_, x in EXTEND_GRID)
     vocab = target.config.vocab_size
     caches = [target.new_cache(1, context + k_max + 1) for _ in range(n_req)]
     prompts = [torch.randint(0, vocab, (context,), generator=g).to(dev) for _ in range(n_req)]
     _, feats = target.forward_packed(prompts, caches, logits_last_only=True)  # feats: per request [context, n*H]
-    dcaches = [drafter.new_cache(1, context + 1) for _ in range(n_req)]
+    dcaches = [drafter.new_cache(1, context + x_max + 1) for _ in range(n_req)]
     drafter.extend_many(feats, dcaches)
+    extra = [f[:x_max] for f in feats]  # [x_max, n*H] each: features to extend with
 
     def verify(r: int, n: int) -> None:
         target.forward_packed([torch.randint(0, vocab, (n,), generator=g).to(dev) for _ in range(r)], caches[:r])
         for c in caches[:r]:
             c.crop(c.length - n)
 
-    def draft(r: int, ld: int) -> None:
+    def draft(r: int, ld: int, x: int = 0) -> None:
+        if x:
+            drafter.extend_many([f[:x] for f in extra[:r]], dcaches[:r])
         h = drafter.draft_many(dcaches[:r], torch.randint(0, vocab, (r,), generator=g).to(dev), ld)  # [r, ld, H]
         drafter.logits(h[:, 1:])  # the policy reads every drafted position's confidence
+        for c in dcaches[:r] if x else ():
+            c.crop(c.length - x)
 
     verify(1, 1)  # warm-up: first calls allocate
     draft(1, 2)
-    blocks = [(r, min(ld, drafter.block_size)) for r, ld in DRAFTER_GRID]
+    blocks = [(r, min(ld, drafter.block_size), x) for r, ld, x in [(r, ld, 0) for r, ld in DRAFTER_GRID] + list(EXTEND_GRID)]
     tbest, dbest = [float("inf")] * len(TARGET_GRID), [float("inf")] * len(blocks)
     for _ in range(reps):
         tbest = [min(b, _seconds(lambda: verify(r, n))) for b, (r, n) in zip(tbest, TARGET_GRID)]
-        dbest = [min(b, _seconds(lambda: draft(r, ld))) for b, (r, ld) in zip(dbest, blocks)]
-    return StepCost([(r, r * n, t) for (r, n), t in zip(TARGET_GRID, tbest)], [(r, ld, t) for (r, ld), t in zip(blocks, dbest)])
+        dbest = [min(b, _seconds(lambda: draft(r, ld, x))) for b, (r, ld, x) in zip(dbest, blocks)]
+    rows = time_rows(target, reps)
+    return StepCost(
+        [(r, r * n, t) for (r, n), t in zip(TARGET_GRID, tbest)], [(r, ld, r * x, t) for (r, ld, x), t in zip(blocks, dbest)], rows=rows
+    )
 
 
 def machine_key(target, drafter) -> dict:
@@ -226,6 +331,7 @@ def machine_key(target, drafter) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "attention": "kv-pool",  # the engine's attention (ragged over one KV pool since issue 21): its step costs differ
+        "rows": "measured",  # calibrations since the row staircase (time_rows) was measured
         "target": fingerprint(target),
         "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",

@@ -161,9 +161,13 @@ class VerifyPolicy(ABC):
         (plain decoding for that step). `others`: (requests, tokens) the step verifies besides them."""
         return [True] * len(states)
 
-    def observe_timing(self, verify: tuple[int, int, float], draft: tuple[int, int, float] | None) -> None:
+    def observe_timing(self, verify: tuple[int, int, float], draft: tuple[int, int, float, int] | None) -> None:
         """A step's timings: verify = (requests, tokens, seconds) of the target pass; draft = (requests,
-        block length, seconds) of the chain drafting pass (draft_many + lengths), None without one."""
+        block length, seconds, context tokens extended) of the chain drafting pass (extending the
+        drafter caches, draft_many, lengths), None without one."""
+
+    def observe_step(self, seconds: float) -> None:
+        """The whole step's wall time (selection, drafting, verification, commits), after observe_timing."""
 
     def lookup_lengths(self, states: list[RequestState], chains: list[int], others: int = 0) -> list[int]:
         """Before drafting: how many tokens of each request's prompt-lookup chain (`chains`: their
@@ -466,6 +470,7 @@ class Engine:
     def _speculate(self, active: list[RequestState]) -> None:
         """One round for every active request: plan, draft, size to the token budget, propose, verify all
         of them in one packed target forward, commit, and grow the drafters' contexts."""
+        t_step = self._clock() if self.policy.timed else 0.0
         plans = [self._plan(s) for s in active]
         self._select(plans)
         drafted = self._draft(plans)
@@ -493,6 +498,8 @@ class Engine:
         looks = [p for p in plans if p.kind == "lookup"]
         if looks:
             self.policy.observe_lookup([p.st for p in looks], [p.st.rounds[-1].accepted for p in looks])
+        if self.policy.timed:
+            self.policy.observe_step(self._clock() - t_step)
 
     def _select(self, plans: list[_Plan]) -> None:
         """The policy sizes prompt-lookup chains (a request whose chain it refuses may draft instead) and
@@ -523,7 +530,8 @@ class Engine:
         """One drafter pass per live drafter and kind: a tree drafts the whole block (its nodes are the
         best paths through every position's candidates), a chain the block the policy asks for; the
         policy then picks each chain's verify length from the block states. A lookup round verifies
-        its chain. -> (requests, block length, seconds) of the chain drafting, None without any."""
+        its chain. -> (requests, block length, seconds, context tokens extended) of the chain drafting,
+        None without any."""
         dev = self.target.lm_head.weight.device
         for p in plans:
             if p.kind == "lookup":
@@ -533,7 +541,7 @@ class Engine:
             for slot, idx in self._groups(plans, [i for i, p in enumerate(plans) if p.kind == kind]):
                 t0 = self._clock()
                 group = [plans[i] for i in idx]
-                self._extend_context(slot, [p.st for p in group])
+                extended = self._extend_context(slot, [p.st for p in group])
                 length = self.k_blk if kind == "tree" else self.policy.draft_len(self.k_blk, slot.head)
                 last = torch.tensor([p.st.out[-1] for p in group], device=dev)
                 hidden = slot.drafter.draft_many([p.st.dcache for p in group], last, length)  # [r, L, H]
@@ -548,20 +556,23 @@ class Engine:
                 for p, h, lg, n, pred in zip(group, hidden, logits, lens, preds):
                     p.hidden, p.logits, p.verify_len, p.pred = h, lg, n, pred
                 if kind == "draft":
-                    r, secs = (timing[0], timing[2]) if timing else (0, 0.0)
-                    timing = (r + len(group), length, secs + self._clock() - t0)
+                    r, secs, cx = (timing[0], timing[2], timing[3]) if timing else (0, 0.0, 0)
+                    timing = (r + len(group), length, secs + self._clock() - t0, cx + extended)
         return timing
 
     @staticmethod
-    def _extend_context(slot: DrafterSlot, states: list[RequestState]) -> None:
+    def _extend_context(slot: DrafterSlot, states: list[RequestState]) -> int:
         """Extend the drafter caches of requests about to draft with the features their text gained
         since they last drafted, in one packed call: a request that does not draft (plain decoding
-        chosen by the policy, a prompt-lookup round) costs the drafter nothing that step."""
+        chosen by the policy, a prompt-lookup round) costs the drafter nothing that step. -> tokens extended."""
         todo = [s for s in states if s.context]
-        if todo:
-            slot.drafter.extend_many([torch.cat(s.context) if len(s.context) > 1 else s.context[0] for s in todo], [s.dcache for s in todo])
-            for s in todo:
-                s.context = []
+        if not todo:
+            return 0
+        feats = [torch.cat(s.context) if len(s.context) > 1 else s.context[0] for s in todo]  # [T_i, n*H] each
+        slot.drafter.extend_many(feats, [s.dcache for s in todo])
+        for s in todo:
+            s.context = []
+        return sum(f.shape[0] for f in feats)
 
     def _propose(self, plans: list[_Plan]) -> None:
         """Each request's tokens to verify: its lookup chain; drafts from its drafter's logits at the

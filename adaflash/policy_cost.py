@@ -20,12 +20,15 @@ labels are free, accepted positions 1, the first rejected 0, later ones unobserv
 - before drafting (`select`, `plan_drafts`): from the position and the request's running acceptance,
   which requests draft at all and how long a block the drafter runs. A request where no draft pays
   skips the drafter pass and verifies its anchor alone; it is drafted again as a probe after 4, 8, ..
-  64 skipped steps (on every 4th step, so that probes share a drafter pass), so a request whose text
-  turns predictable is picked up again;
+  64 skipped steps (on every 4th step, so that probes share a drafter pass, and at most one request
+  in 8 (or two) per step), so a request whose text turns predictable is picked up again;
 - after drafting (`lengths`, `choose_lengths`): adds the drafter's own confidence per position (top-1
   probability over the draft vocabulary) and picks the verify lengths; the drafting cost is spent by
   then. (The length head's block prediction added nothing on held-out rounds where the confidence is
   known: `adaflash policy-eval`, docs/benchmarks.md.)
+The step-cost model (adaflash.cost) prices the two passes; what they leave out (the step's other
+work, everything else drafting brings) is learnt from whole steps (`Overrun`): each step's wall time
+against what the model predicted without and with its drafts.
 Greedy output is the target's whatever the lengths: the policy only decides how much is verified.
 """
 
@@ -40,6 +43,8 @@ from adaflash.engine import RequestState, VerifyPolicy
 
 EPS = 1e-4
 PROBE_SYNC = 4  # undrafted requests are probed on every 4th step only, together
+PROBE_SHARE = 8  # at most one request in 8 (or two) is probed in a step
+EXPLORE = 0.02  # probes spend at most this share of the time (see CostPolicy._probes)
 PRIOR_NAMES = ("bias", "log_pos", "running")  # features before drafting
 BLOCK_NAMES = ("bias", "confidence", "log_pos", "running")  # after drafting
 
@@ -178,17 +183,43 @@ def plan_drafts(
     fixed_gain: float,
     draft_s: tuple[float, float, float],
     force: torch.Tensor | None = None,
+    extra_s: torch.Tensor | None = None,
 ) -> DraftPlan:
     """Which requests draft and how long a block, before drafting (lengths <= the block).
 
     cum [R, K-1] from the prior model; secs [R * (K-1) + 1] verify seconds with n drafts verified (as in
     `choose_lengths`); draft_s: (per pass, per drafted request, per drafted block row) seconds; force
-    [R] bool: requests that draft anyway (probes, at least one draft verified). For every block length
-    the drafts are taken by falling cum (the forced requests' first drafts first), a request paying its
-    drafting cost with its first draft taken; the plan is the block length and prefix with the most
-    expected tokens per second, plain decoding (nothing drafted) among them when nobody is forced."""
-    r, n_pos = cum.shape
+    [R] bool: requests that draft anyway (probes, at least one draft verified); extra_s [R]: seconds a
+    request adds to the drafting pass besides d_req (extending its drafter cache with the context it
+    committed since it last drafted). For every block length the drafts are taken by falling cum (the
+    forced requests' first drafts first), a request paying its drafting cost with its first draft
+    taken; the plan is the block length and prefix with the most expected tokens per second, plain
+    decoding (nothing drafted) among them when nobody is forced. That scan is greedy in the requests'
+    own costs: a costly request whose drafts rank high is taken with them. So a request whose whole
+    block, accepted as expected, adds fewer tokens than its own drafting cost earns at plain decoding's
+    rate, then at the plan's (it can only lower that rate), is left out of the scan, which then runs
+    again on the rest; where no request can pay, plain decoding is chosen without any scan."""
+    r = cum.shape[0]
     force = torch.zeros(r, dtype=torch.bool) if force is None else force
+    extra_s = torch.zeros(r, dtype=torch.float64) if extra_s is None else extra_s.double()
+    plain = DraftPlan(torch.zeros(r, dtype=torch.bool), 0, torch.ones(r, dtype=torch.long), fixed_gain / float(secs[0]))
+    own = extra_s + draft_s[1] + 2 * draft_s[2]  # [R] the least a request's drafting costs
+    keep = (cum.sum(-1) >= plain.rate * own) | force  # [R] the best plan is at least plain decoding
+    best = None
+    while bool(keep.any()):
+        part = _scan(cum[keep], secs, fixed_gain, draft_s, force[keep], extra_s[keep])
+        best = DraftPlan(torch.zeros(r, dtype=torch.bool), part.block, torch.ones(r, dtype=torch.long), part.rate)
+        best.draft[keep], best.lens[keep] = part.draft, part.lens
+        tighter = keep & ((cum.sum(-1) >= part.rate * own) | force)  # [R] against the plan's own rate
+        if bool((tighter == keep).all()):
+            break
+        keep = tighter
+    return plain if best is None or (best.rate < plain.rate and not bool(force.any())) else best
+
+
+def _scan(cum, secs, fixed_gain, draft_s, force, extra_s) -> DraftPlan:
+    """plan_drafts' scan over block lengths and prefixes of the drafts ranked by cum."""
+    r, n_pos = cum.shape
     d_pass, d_req, d_row = draft_s
     no_draft = DraftPlan(torch.zeros(r, dtype=torch.bool), 0, torch.ones(r, dtype=torch.long), fixed_gain / float(secs[0]))
     best = None if bool(force.any()) else no_draft
@@ -203,7 +234,8 @@ def plan_drafts(
         order = torch.cat([first[force], tail[torch.argsort(flat[tail], descending=True, stable=True)]])  # [R*(b-1)]
         is_first = (order % (b - 1)) == 0  # a request's first draft: it starts drafting there
         drafted = torch.cat([torch.zeros(1, dtype=torch.long), is_first.long().cumsum(0)])  # [M + 1]
-        cost = secs[: len(order) + 1] + (drafted > 0) * d_pass + drafted * (d_req + d_row * b)  # [M + 1]
+        extra = torch.cat([extra_s.new_zeros(1), torch.where(is_first, extra_s[order // (b - 1)], 0.0).cumsum(0)])  # [M + 1]
+        cost = secs[: len(order) + 1] + (drafted > 0) * d_pass + drafted * (d_req + d_row * b) + extra  # [M + 1]
         n, rate = _best_prefix(flat[order], cost, fixed_gain, start=max(n_forced, 1))
         if best is None or rate > best.rate:
             taken = torch.zeros(r * (b - 1), dtype=torch.bool)
@@ -214,6 +246,39 @@ def plan_drafts(
 
 
 # ----------------------------------------------------------------------------- the policy
+class Overrun:
+    """What the step-cost model misses, learnt from whole steps: W - t_T(R, the step's tokens without
+    drafts) = o + k * E, W the step's wall time, E the seconds the model predicted drafting to add (the
+    drafting pass and the longer verification). o is the step's work outside both (selection,
+    proposing, commits); k how far off the predicted cost of drafting is, all it brings included
+    (drafting from scattered pool rows, proposing and checking drafts, verifying mixed lengths: on a
+    2-core CPU at concurrency 32 drafting cost about twice what the two passes' models said).
+    Least squares with forgetting (memory ~1 / (1 - forget) steps), pulled toward o = 0, k = 1 by
+    `weight` steps' worth of evidence at E = `scale` seconds."""
+
+    def __init__(self, forget: float = 0.95, weight: float = 4.0, scale: float = 0.02, k_max: float = 4.0):
+        self.forget, self.k_max = forget, k_max
+        self.a0 = torch.diag(torch.tensor([1e-9, weight * scale**2], dtype=torch.float64))  # [2, 2] prior information
+        self.b0 = self.a0 @ torch.tensor([0.0, 1.0], dtype=torch.float64)  # [2]
+        self.a, self.b = torch.zeros(2, 2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        self.theta = torch.tensor([0.0, 1.0], dtype=torch.float64)  # (o, k)
+
+    def update(self, excess: float, seconds: float) -> None:
+        """One step: predicted drafting seconds E, measured W - t_T(plain) seconds."""
+        x = torch.tensor([1.0, excess], dtype=torch.float64)
+        self.a = self.forget * self.a + torch.outer(x, x)
+        self.b = self.forget * self.b + x * seconds
+        self.theta = torch.linalg.solve(self.a0 + self.a, self.b0 + self.b)
+
+    @property
+    def o(self) -> float:
+        return max(float(self.theta[0]), 0.0)
+
+    @property
+    def k(self) -> float:
+        return min(max(float(self.theta[1]), 0.5), self.k_max)
+
+
 @dataclass
 class _Pending:
     """A drafted request's features this step, labelled once it is verified."""
@@ -267,6 +332,9 @@ class CostPolicy(VerifyPolicy):
         self.forced: set[str] = set()
         self._batch: tuple[int, int] | None = None  # this step's (requests, tokens) with every drafting request at its anchor
         self._block = block_size
+        self.overrun = Overrun()
+        self.explore = 0.0  # seconds the next probes may cost (EXPLORE of every step's, saved up)
+        self._excess: tuple[float, float] | None = None  # this step's (t_T without drafts, E) for observe_step
 
     @classmethod
     def for_models(cls, target, drafter) -> "CostPolicy":
@@ -281,10 +349,14 @@ class CostPolicy(VerifyPolicy):
         self.steps += 1
         n_req, n_tok = len(states) + others[0], len(states) + others[1]
         self._batch = (n_req, n_tok)
-        force = torch.tensor([self._probe_due(i) for i in ids], dtype=torch.bool)
         cum = self.prior.predict(prior_features(self.running.rate(ids), self.k_blk - 1)).cumprod(-1)  # [R, K-1]
-        secs = self.cost.verify_curve(n_req, n_tok, cum.numel())  # [R*(K-1) + 1]
-        plan = plan_drafts(cum, secs, n_req, self.cost.per_drafted, force)
+        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.numel()))  # [R*(K-1) + 1]
+        pending = torch.tensor([float(sum(f.shape[0] for f in s.context)) for s in states], dtype=torch.float64)  # [R] tokens to extend
+        k = self.overrun.k
+        draft_s, extra_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
+        self.explore = min(self.explore + EXPLORE * float(secs[0]), 256 * EXPLORE * float(secs[0]))  # saved up over 256 steps at most
+        force = self._probes(ids, extra_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0])
+        plan = plan_drafts(cum, secs, n_req, draft_s, force, extra_s)
         self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
         self.forced = {i for i, f in zip(ids, force.tolist()) if f}
         for i, d in zip(ids, plan.draft.tolist()):
@@ -293,10 +365,32 @@ class CostPolicy(VerifyPolicy):
         self._chained = []
         return plan.draft.tolist()
 
-    def _probe_due(self, rid: str) -> bool:
-        """Its back-off has elapsed, on a step of the shared cadence: the probes of many requests then
-        share one drafter pass instead of each paying one in a step of its own."""
-        return self.skipped.get(rid, 0) >= self.probe_every.get(rid, 4) and self.steps % PROBE_SYNC == 0
+    def _priced(self, secs: torch.Tensor) -> torch.Tensor:
+        """Verify seconds [M] -> the step's seconds as learnt from whole steps: the work outside the
+        passes added, what drafts add scaled by the overrun factor."""
+        return secs[0] + self.overrun.o + self.overrun.k * (secs - secs[0])
+
+    def _probes(self, ids: list[str], cost: torch.Tensor, d_pass: float) -> torch.Tensor:
+        """[R] bool: requests probed this step: those whose back-off has elapsed, on a step of the shared
+        cadence (the probes of many requests then share one drafter pass instead of each paying one in
+        a step of its own), at most one in PROBE_SHARE of the batch (or two), the longest skipped
+        first, as far as the exploration budget (`explore`, EXPLORE of every step's time) pays for
+        them: cost [R] the seconds each would add (its drafting, the context it extends first, one
+        more token verified), d_pass those of the drafter pass they share. Exploring so costs at most
+        EXPLORE of the time where drafting does not pay."""
+        force = torch.zeros(len(ids), dtype=torch.bool)
+        if self.steps % PROBE_SYNC:
+            return force
+        due = [j for j, i in enumerate(ids) if self.skipped.get(i, 0) >= self.probe_every.get(i, 4)]
+        spend = d_pass
+        for j in sorted(due, key=lambda j: -self.skipped.get(ids[j], 0))[: max(2, len(ids) // PROBE_SHARE)]:
+            if spend + float(cost[j]) > self.explore:
+                break
+            spend += float(cost[j])
+            force[j] = True
+        if bool(force.any()):
+            self.explore -= spend
+        return force
 
     def _after_plan(self, rid: str, drafts: bool) -> None:
         if rid in self.forced:  # a probe: if it still does not pay, wait twice as long for the next
@@ -370,7 +464,8 @@ class CostPolicy(VerifyPolicy):
         cond = self.block.predict(x)  # [R, J]
         cum = cond.cumprod(-1)
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
-        secs = self.cost.verify_curve(n_req, n_tok, cum.numel()) + self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
+        spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
+        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.numel())) + spent  # [R*J + 1]
         lens, _ = choose_lengths(cum, secs, n_req)
         forced = torch.tensor([i in self.forced for i in ids], dtype=torch.bool)
         lens = torch.where(forced, lens.clamp(min=2), lens)
@@ -390,7 +485,19 @@ class CostPolicy(VerifyPolicy):
             self.prior.update(torch.cat([p.xp for p, _, _ in rows]), torch.cat([torch.where(seen, y, p.p) for p, y, seen in rows]))
 
     def observe_timing(self, verify, draft):
-        """Refit the step-cost model on the step just run."""
+        """Refit the step-cost model on the step just run, after noting what it predicted drafting adds
+        (for observe_step)."""
+        r, n, _ = verify
+        plain = self.cost.verify(r, self._batch[1] if self._batch else n)
+        excess = self.cost.verify(r, n) - plain + (self.cost.draft(draft[0], draft[1], draft[3]) if draft else 0.0)
+        self._excess = (plain, excess)
         self.cost.observe_verify(*verify)
         if draft is not None:
             self.cost.observe_draft(*draft)
+
+    def observe_step(self, seconds):
+        """Refit the overrun (o, k) on the whole step."""
+        if self._excess is not None:
+            plain, excess = self._excess
+            self.overrun.update(excess, seconds - plain)
+        self._excess, self._batch = None, None

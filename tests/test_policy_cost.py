@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 
-from adaflash.cost import TARGET_GRID, Linear, StepCost, calibrate, fit_knee, load_or_calibrate
+from adaflash.cost import TARGET_GRID, Linear, StepCost, calibrate, fit_knee, load_or_calibrate, rows_feature
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
 from adaflash.policy_cost import (
     AcceptanceModel,
@@ -64,9 +64,58 @@ def test_linear_clips_outliers():
 
 
 def test_step_cost_json_round_trip():
-    c = linear_cost()
-    back = StepCost.from_json(json.loads(json.dumps(c.to_json())))
-    assert back.verify(5, 17) == pytest.approx(c.verify(5, 17)) and back.draft(3, 4) == pytest.approx(c.draft(3, 4))
+    for c in (linear_cost(), staircase_cost()):
+        back = StepCost.from_json(json.loads(json.dumps(c.to_json())))
+        assert back.verify(5, 17) == pytest.approx(c.verify(5, 17)) and back.draft(3, 4, 9) == pytest.approx(c.draft(3, 4, 9))
+        assert back.verify(32, 33) == pytest.approx(c.verify(32, 33))
+
+
+def tiles(n: int) -> float:
+    """Linear layers that work in tiles of 16 rows, 20 ms a tile (a staircase), 10 ms for the weights."""
+    return 0.01 + 0.02 * -(-n // 16)
+
+
+def staircase_cost() -> StepCost:
+    """A machine whose step is 50 ms + 1 ms per request + the tiles, with the rows measured."""
+    rows = [(n, tiles(n)) for n in range(1, 65)] + [(n, tiles(n)) for n in range(68, 129, 4)]
+    tp = [(r, r * n, 0.05 + 0.001 * r + tiles(r * n) - tiles(1)) for r, n in TARGET_GRID]
+    dp = [(r, ld, cx, 0.004 + 0.0005 * r + 0.0001 * r * ld + 0.0002 * cx) for r, ld, cx in [(1, 2, 0), (8, 8, 0), (8, 4, 64), (32, 4, 128)]]
+    return StepCost(tp, dp, rows=rows)
+
+
+def test_rows_feature_interpolates_and_never_falls():
+    g = rows_feature([(1, 0.010), (2, 0.012), (4, 0.011), (8, 0.020)])  # 2 rows slowed by another process
+    assert g.tolist() == pytest.approx([0.0, 0.0, 0.001, 0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.010])
+    c = staircase_cost()
+    assert c.plausible()
+    c.points["rows"][10:20] = [(n, 3 * t) for n, t in c.points["rows"][10:20]]  # a sweep disturbed for a while
+    assert not c.plausible()
+
+
+def test_a_measured_staircase_prices_the_tile_edge():
+    """32 plain-decoding requests fill two tiles exactly: one more token costs a whole tile, 16 more no
+    more than one; so drafts accepted at 0.3 pay where rows are free (28 requests) and not at the edge,
+    and the knee model (a slope per token) cannot tell the two apart."""
+    c = staircase_cost()
+    assert c.knee == 0 and c.per_token == pytest.approx(1.0, rel=1e-3)
+    assert c.verify(32, 33) - c.verify(32, 32) == pytest.approx(0.02, rel=1e-3) and c.verify(32, 48) == pytest.approx(c.verify(32, 33))
+    assert c.verify(32, 200) > c.verify(32, 128)  # linear past the measured rows
+    cum = torch.full((32, 15), 0.3, dtype=torch.float64).cumprod(-1)
+    free = choose_lengths(cum[:28], c.verify_curve(28, 28, 28 * 15), 28)[0]
+    edge = choose_lengths(cum, c.verify_curve(32, 32, 32 * 15), 32)[0]
+    assert int((free - 1).sum()) == 4 and int((edge - 1).sum()) == 0
+
+
+def test_drafting_prices_the_context_a_request_must_extend_first():
+    """A request that skipped many steps extends its drafter cache with all their tokens before it drafts:
+    the plan leaves it undrafted where the same drafts pay for a request that is up to date."""
+    c = staircase_cost()
+    assert c.per_context == pytest.approx(0.0002) and c.draft(2, 4, 100) == pytest.approx(c.draft(2, 4) + 0.02)
+    cum = torch.full((2, 15), 0.9, dtype=torch.float64).cumprod(-1)
+    extra = torch.tensor([0.0, 500.0]) * c.per_context  # request 1: 500 tokens behind
+    p = plan_drafts(cum, c.verify_curve(2, 2, cum.numel()), 2, c.per_drafted, None, extra)
+    assert p.draft.tolist() == [True, False]
+    assert plan_drafts(cum, c.verify_curve(2, 2, cum.numel()), 2, c.per_drafted).draft.tolist() == [True, True]
 
 
 def test_calibration_is_cached_per_machine(tmp_path, monkeypatch):
@@ -74,6 +123,7 @@ def test_calibration_is_cached_per_machine(tmp_path, monkeypatch):
     drafter = tiny_drafter(target)
     real = calibrate(target, drafter, reps=1)  # the real sweep on tiny models: every point timed
     assert len(real.points["target"]) == len(TARGET_GRID) and all(t > 0 for *_, t in real.points["target"] + real.points["drafter"])
+    assert any(cx > 0 for _, _, cx, _ in real.points["drafter"]) and real.points["rows"][-1][0] >= 128 and real.knee == 0
     calls, result = [], [linear_cost()]
     monkeypatch.setattr("adaflash.cost.calibrate", lambda *a, **k: calls.append(1) or result[0])
     first = load_or_calibrate(target, drafter, tmp_path)
@@ -280,6 +330,7 @@ def test_skipped_requests_are_probed_with_backoff():
     for _ in range(30):  # the running acceptance says nothing pays
         policy.running.update(["a"], torch.tensor([0.0]), torch.tensor([1.0]))
     policy.prior = AcceptanceModel([0.0, 0.0, 1.0], prior=1e6)  # pinned: P = running acceptance
+    policy.explore = float("inf")  # the exploration budget saved up in full (256 steps' share)
     st = [RequestState(Request("a", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator())]
     drafted = [i for i in range(40) if policy.select(st)[0]]
     assert drafted == [7, 19, 39]  # after 4 skipped steps, then 8, then 16, each on the next 4th step
@@ -288,6 +339,54 @@ def test_skipped_requests_are_probed_with_backoff():
     policy.select(late[:1])  # "b" joins a step before "c": their probes still fall on the same step
     picks = [policy.select(late) for _ in range(12)]
     assert [i for i, p in enumerate(picks) if any(p)] == [i for i, p in enumerate(picks) if all(p)] != []
+    many = [RequestState(Request(f"m{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(32)]
+    policy.running.update([s.req.request_id for s in many], torch.zeros(32), torch.full((32,), 30.0))
+    for s in many[:8]:  # eight requests have waited longer than the rest
+        policy.skipped[s.req.request_id] = 40
+    picks = [policy.select(many) for _ in range(8)]
+    first = next(p for p in picks if any(p))
+    assert sum(first) == 4 and all(first[:4]) and not any(first[8:])  # a probe step takes one request in 8, the longest skipped
+
+
+def test_probes_spend_at_most_their_share_of_the_time():
+    """Where drafting never pays, probes cost at most EXPLORE of the step time (and one probe's worth):
+    a request that must first extend its drafter cache with 400 tokens is probed less often."""
+    from adaflash.policy_cost import EXPLORE
+
+    def probes(pending: int) -> tuple[int, float]:
+        policy = CostPolicy(staircase_cost(), 16)
+        policy.prior = AcceptanceModel([-9.0, 0.0, 0.0], prior=1e6)  # nothing is ever accepted
+        st = [RequestState(Request(f"r{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
+        for s in st:
+            s.context = [torch.zeros(pending, 4)]
+        n, spent = 0, 0.0
+        for _ in range(400):
+            picks = policy.select(st)
+            n += sum(picks)
+            one = policy.cost.draft(1, 2, pending) - policy.cost.per_drafted[0] + policy.cost.verify(8, 9) - policy.cost.verify(8, 8)
+            spent += sum(picks) * one + any(picks) * policy.cost.per_drafted[0]
+        return n, spent
+
+    (n_short, spent), (n_long, _) = probes(10), probes(400)
+    assert spent <= EXPLORE * 400 * staircase_cost().verify(8, 8) + 0.1 and 0 < n_long < n_short
+
+
+def test_overrun_learns_what_drafting_really_costs():
+    """Whole steps that took 8 ms more than the passes' models said, plus twice the predicted drafting
+    cost: o and k are found; steps that all predict the same drafting cost cannot tell o from k, and
+    k then stays at 1 (what the passes' models say)."""
+    from adaflash.policy_cost import Overrun
+
+    g = torch.Generator().manual_seed(0)
+    ov = Overrun()
+    for i in range(200):
+        e = 0.0 if i % 3 == 0 else 0.01 + 0.04 * float(torch.rand(1, generator=g))
+        ov.update(e, 0.008 + 2.0 * e + 0.002 * float(torch.randn(1, generator=g)))
+    assert 1.6 < ov.k < 2.1 and ov.o == pytest.approx(0.008, abs=0.004)  # k shrunk a little toward 1 by its prior
+    same = Overrun()
+    for _ in range(50):
+        same.update(0.02, 0.03)
+    assert same.k == pytest.approx(1.0, abs=0.01) and same.o == pytest.approx(0.01, abs=0.001)
 
 
 # ----------------------------------------------------------------------------- offline evaluation
