@@ -224,7 +224,10 @@ def _scan(cum, secs, fixed_gain, draft_s, force, extra_s) -> DraftPlan:
     no_draft = DraftPlan(torch.zeros(r, dtype=torch.bool), 0, torch.ones(r, dtype=torch.long), fixed_gain / float(secs[0]))
     best = None if bool(force.any()) else no_draft
     n_forced = int(force.sum())
-    for b in range(2, n_pos + 2):  # block length b: drafts 1 .. b - 1
+    peak, worse = 0.0, 0  # best drafting rate so far; block lengths since it (the rate over b rises, then falls)
+    for b in range(2, n_pos + 2):  # block length b: drafts 1 .. b - 1; stop 3 lengths past the peak
+        if worse == 3:
+            break
         part = cum[:, : b - 1]  # [R, b-1]
         flat = part.reshape(-1)
         first = torch.arange(r) * (b - 1)  # [R]: flat index of each request's first draft
@@ -237,6 +240,7 @@ def _scan(cum, secs, fixed_gain, draft_s, force, extra_s) -> DraftPlan:
         extra = torch.cat([extra_s.new_zeros(1), torch.where(is_first, extra_s[order // (b - 1)], 0.0).cumsum(0)])  # [M + 1]
         cost = secs[: len(order) + 1] + (drafted > 0) * d_pass + drafted * (d_req + d_row * b) + extra  # [M + 1]
         n, rate = _best_prefix(flat[order], cost, fixed_gain, start=max(n_forced, 1))
+        peak, worse = (rate, 0) if rate > peak else (peak, worse + 1)
         if best is None or rate > best.rate:
             taken = torch.zeros(r * (b - 1), dtype=torch.bool)
             taken[order[:n]] = True
