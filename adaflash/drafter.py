@@ -198,8 +198,8 @@ class Drafter(nn.Module):
             h = layer.input_layernorm(x)
             q = attn.project_q(h, cos, sin)
             kb, vb = attn.project_kv(h, cos, sin)
-            k = torch.cat([cache.k[i][:, :, :n], kb], dim=2)
-            v = torch.cat([cache.v[i][:, :, :n], vb], dim=2)
+            k = torch.cat([cache.k[i][:, :, :n], kb.to(cache.k[i].dtype)], dim=2)
+            v = torch.cat([cache.v[i][:, :, :n], vb.to(cache.v[i].dtype)], dim=2)
             x = x + attn.attend(q, k, v, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = self.norm(x)
@@ -222,8 +222,8 @@ class Drafter(nn.Module):
         cos, sin = self.rotary(torch.cat(pos, dim=1), ctx.dtype)
         for li, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)  # [1, Hkv, N, D]
-            pool.k[li][rows, :, slots] = k[0].transpose(0, 1)  # [N, Hkv, D]
-            pool.v[li][rows, :, slots] = v[0].transpose(0, 1)
+            pool.k[li][rows, :, slots] = k[0].transpose(0, 1).to(pool.dtype)  # [N, Hkv, D]
+            pool.v[li][rows, :, slots] = v[0].transpose(0, 1).to(pool.dtype)
 
     @torch.no_grad()
     def draft_many(self, caches: list[KVCache], last_tokens: torch.Tensor, length: int | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 
-from adaflash.kvcache import KVCache, KVPool, Ragged
+from adaflash.kvcache import KVCache, KVPool, Ragged, kv_dtype
 
 
 def plain_cache(model, capacity: int = 8) -> KVCache:
@@ -104,3 +104,24 @@ def test_caches_of_two_models_do_not_mix():
     a, b = tiny_target(1), tiny_target(2)
     with pytest.raises(ValueError, match="pool"):
         Ragged([a.new_cache(1), b.new_cache(1)], [0, 0], [1, 1])
+
+
+def test_bf16_models_keep_float32_kv_on_a_cpu():
+    """A bf16 model's caches are float32 on a CPU (attention multiplies in float32 there, so K/V are
+    converted once, when written); a bf16 target's ragged forward still matches its forward on a plain
+    cache, and a bf16 drafter drafts from the same pool dtype."""
+    assert kv_dtype(torch.bfloat16, "cpu") == torch.float32 and kv_dtype(torch.float32, "cpu") == torch.float32
+    assert kv_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    model = tiny_target(4).to(torch.bfloat16)
+    drafter = tiny_drafter(model).to(torch.bfloat16)
+    pooled, ref = model.new_cache(1, 8), model.new_cache(2, 32)
+    assert pooled.k[0].dtype == ref.k[0].dtype == drafter.new_cache(1, 8).k[0].dtype == torch.float32
+    prompt = torch.randint(0, 64, (7,))
+    model.forward_packed([prompt], [pooled], logits_last_only=True)
+    model(prompt[None].expand(2, -1), ref)
+    new = torch.randint(0, 64, (3,))
+    (logits,), (feats,) = model.forward_packed([new], [pooled])
+    ref_logits, ref_feats = model(new[None].expand(2, -1), ref)
+    assert feats.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, ref_logits[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(feats, ref_feats[0], atol=2e-2, rtol=2e-2)
