@@ -11,10 +11,10 @@ forward over few rows is bound by reading the weights, so rows are nearly free u
 compute-bound (a single request's forward over 1 or 8 tokens costs the same on a CPU), then each row
 costs about the same; but the matmul kernels work in tiles, so the curve is a staircase (on a 2-core
 AVX-512 machine, float32, one thread: 33 rows cost 11% more than 32, 36 no more than 33), and a
-batch of 32 plain-decoding requests sits right at a step's edge, where one more row costs a tenth
+batch of 32 plain-decoding requests sits right at a tile's edge, where one more row costs a tenth
 of the step. `calibrate` therefore times the linear layers themselves at every row count up to 64,
-then every 4 to 128 (`time_rows`, ROWS_GRID; the staircase made non-decreasing), and g(N) = S(N) - S(1) in seconds, a2
-about 1. Without that measurement (a calibration cached before it, or points given by hand), g(N) =
+then every 4 to 128 and at 160 and 192 (`time_rows`, ROWS_GRID; cleaned by `clean_rows`), and g(N) =
+S(N) - S(1) in seconds, a2 about 1. Without that measurement (a calibration cached before it, or points given by hand), g(N) =
 max(N - knee, 0) with the knee fitted on the calibration points (the candidate with the smallest
 relative residual; 0 gives a model linear in N). a1 is the per-request attention work. Cx: a request
 that drafts first extends its drafter cache with the target features of every token it committed
