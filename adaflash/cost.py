@@ -231,25 +231,17 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t
 
 
-def _linears(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The linear layers in `module` (float, int4 or int8 weights): what token rows cost."""
-    return [m for m in module.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
-
-
 @torch.no_grad()
 def time_rows(target, reps: int = 3, grid: tuple[int, ...] = ROWS_GRID) -> list[tuple[int, float]]:
-    """[(N, seconds)]: the target's linear layers (the first decoder layer's, times the number of
-    layers, plus the LM head) on N token rows, the fastest of `reps` sweeps over the grid. The step
-    shape of the matmul kernels' tiles shows here without the noise of whole forwards."""
-    layer, head = _linears(target.model.layers[0]), target.lm_head
+    """[(N, seconds)]: the target's linear layers (the first decoder layer's projections, times the
+    number of layers, plus the LM head) on N token rows, the fastest of `reps` sweeps over the grid. The
+    step shape of the matmul kernels' tiles shows here without the noise of whole forwards."""
+    from adaflash.quant import PROJECTIONS
+
+    layer, head = [target.model.layers[0].get_submodule(p) for p in PROJECTIONS.values()], target.lm_head
     dev, dt = head.weight.device, target.dtype
     xs = {m.in_features: torch.randn(max(grid), m.in_features, device=dev, dtype=dt) for m in layer + [head]}
     n_layers = len(target.model.layers)
-
-    def run(n: int) -> None:
-        for m in layer:
-            m(xs[m.in_features][:n])
-        head(xs[head.in_features][:n])
 
     def secs(n: int) -> float:  # layers x n_layers + head, each timed once
         t0 = time.perf_counter()
@@ -259,7 +251,7 @@ def time_rows(target, reps: int = 3, grid: tuple[int, ...] = ROWS_GRID) -> list[
         head(xs[head.in_features][:n])
         return (t1 - t0) * n_layers + time.perf_counter() - t1
 
-    run(grid[0])
+    secs(grid[0])  # warm-up: first calls allocate
     best = [float("inf")] * len(grid)
     for _ in range(reps):
         best = [min(b, secs(n)) for b, n in zip(best, grid)]

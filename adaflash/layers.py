@@ -162,7 +162,7 @@ class Attention(nn.Module):
         entries never used again (and each step paid the JIT); float32 matmul is MKL's, uncached. The
         KV caches of such a model are float32 already (`kvcache.kv_dtype`); the output has q's dtype."""
         out_dtype = q.dtype
-        if (out_dtype == torch.bfloat16 or v.dtype == torch.bfloat16) and q.device.type == "cpu" and not torch.is_grad_enabled():
+        if out_dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled():
             q, k, v = q.float(), k.float(), v.float()
         b, h, t, d = q.shape
         rep = h // self.n_kv_heads
