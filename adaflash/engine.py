@@ -95,6 +95,7 @@ class RequestState:
     dcache: KVCache | None
     gen: torch.Generator
     context: list[torch.Tensor] = field(default_factory=list)  # target features [n, n*H] not yet in dcache
+    context_tokens: int = 0  # rows in `context`, kept as it grows (a policy reads it every step)
     admitted: bool = False  # prefilled (got a first token); stays True after the caches are released
     out: list[int] = field(default_factory=list)
     rounds: list[Round] = field(default_factory=list)
@@ -103,6 +104,17 @@ class RequestState:
     t_start: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
+
+    def add_context(self, feats: torch.Tensor) -> None:
+        """Queue target features [n, n*H] for the drafter cache (read when this request drafts next)."""
+        self.context.append(feats)
+        self.context_tokens += feats.shape[0]
+
+    def take_context(self) -> torch.Tensor:
+        """The queued features [T, n*H], emptied."""
+        feats = torch.cat(self.context) if len(self.context) > 1 else self.context[0]
+        self.context, self.context_tokens = [], 0
+        return feats
 
     @property
     def tau(self) -> float:
@@ -412,7 +424,7 @@ class Engine:
         )
         for st, lg, ft in zip(new, logits, feats):
             if self.policy.drafts:
-                st.context.append(ft)
+                st.add_context(ft)
             st.t_first = time.perf_counter()
             self._commit(st, [int(pick(lg[-1], st.req.temperature, st.gen))])
         return new
@@ -445,7 +457,7 @@ class Engine:
         for s in done:
             s.t_done = time.perf_counter()
             s.tcache = s.dcache = None
-            s.context = []
+            s.context, s.context_tokens = [], 0
         self.running = [s for s in self.running if s.finish_reason is None]
         self.stats["steps"] += 1
         return done
@@ -492,7 +504,7 @@ class Engine:
         new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
         if self.policy.drafts:  # the drafter reads them when this request drafts next (_draft)
             for p, ft in zip(plans, new_feats):
-                p.st.context.append(ft)
+                p.st.add_context(ft)
         chains = [p for p in plans if p.kind == "draft"]
         self.policy.observe([p.st for p in chains], [p.st.rounds[-1].accepted for p in chains])
         looks = [p for p in plans if p.kind == "lookup"]
@@ -568,10 +580,8 @@ class Engine:
         todo = [s for s in states if s.context]
         if not todo:
             return 0
-        feats = [torch.cat(s.context) if len(s.context) > 1 else s.context[0] for s in todo]  # [T_i, n*H] each
+        feats = [s.take_context() for s in todo]  # [T_i, n*H] each
         slot.drafter.extend_many(feats, [s.dcache for s in todo])
-        for s in todo:
-            s.context = []
         return sum(f.shape[0] for f in feats)
 
     def _propose(self, plans: list[_Plan]) -> None:

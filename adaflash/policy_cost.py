@@ -262,25 +262,28 @@ class Overrun:
 
     def __init__(self, forget: float = 0.95, weight: float = 4.0, scale: float = 0.02, k_max: float = 4.0):
         self.forget, self.k_max = forget, k_max
-        self.a0 = torch.diag(torch.tensor([1e-9, weight * scale**2], dtype=torch.float64))  # [2, 2] prior information
-        self.b0 = self.a0 @ torch.tensor([0.0, 1.0], dtype=torch.float64)  # [2]
-        self.a, self.b = torch.zeros(2, 2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
-        self.theta = torch.tensor([0.0, 1.0], dtype=torch.float64)  # (o, k)
+        self.p0 = (1e-9, weight * scale**2)  # prior information on o and k (diagonal), pulling toward (0, 1)
+        self.a = [0.0, 0.0, 0.0]  # sums of x x^T (1, E; E, E^2), forgetting; 2x2 in Python floats: it runs every step
+        self.b = [0.0, 0.0]  # sums of x * W'
+        self.theta = (0.0, 1.0)  # (o, k)
 
     def update(self, excess: float, seconds: float) -> None:
         """One step: predicted drafting seconds E, measured W - t_T(plain) seconds."""
-        x = torch.tensor([1.0, excess], dtype=torch.float64)
-        self.a = self.forget * self.a + torch.outer(x, x)
-        self.b = self.forget * self.b + x * seconds
-        self.theta = torch.linalg.solve(self.a0 + self.a, self.b0 + self.b)
+        f, a, b = self.forget, self.a, self.b
+        self.a = [f * a[0] + 1.0, f * a[1] + excess, f * a[2] + excess * excess]
+        self.b = [f * b[0] + seconds, f * b[1] + excess * seconds]
+        a11, a12, a22 = self.a[0] + self.p0[0], self.a[1], self.a[2] + self.p0[1]
+        b1, b2 = self.b[0], self.b[1] + self.p0[1]  # the prior's k = 1
+        det = a11 * a22 - a12 * a12
+        self.theta = ((a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det)
 
     @property
     def o(self) -> float:
-        return max(float(self.theta[0]), 0.0)
+        return max(self.theta[0], 0.0)
 
     @property
     def k(self) -> float:
-        return min(max(float(self.theta[1]), 0.5), self.k_max)
+        return min(max(self.theta[1], 0.5), self.k_max)
 
 
 @dataclass
@@ -339,6 +342,12 @@ class CostPolicy(VerifyPolicy):
         self.overrun = Overrun()
         self.explore = 0.0  # seconds the next probes may cost (EXPLORE of every step's, saved up)
         self._excess: tuple[float, float] | None = None  # this step's (t_T without drafts, E) for observe_step
+        # (request ids, others) of a step where nobody drafted: until the next probe step, the same batch
+        # is not drafted again without planning (what the plan reads moves only when a round verifies
+        # drafts, except the context a request would extend, which only grows), which keeps the policy's
+        # work where drafting does not pay (high concurrency on a CPU) off the step's time
+        self._idle: tuple[list[str], tuple[int, int]] | None = None
+        self._idle_secs = 0.0  # that plan's step seconds (the exploration budget grows by a share of them)
 
     @classmethod
     def for_models(cls, target, drafter) -> "CostPolicy":
@@ -353,15 +362,23 @@ class CostPolicy(VerifyPolicy):
         self.steps += 1
         n_req, n_tok = len(states) + others[0], len(states) + others[1]
         self._batch = (n_req, n_tok)
+        if self.steps % PROBE_SYNC and self._idle == (ids, others):  # see `_idle`
+            self.explore = min(self.explore + EXPLORE * self._idle_secs, 256 * EXPLORE * self._idle_secs)
+            for i in ids:
+                self.skipped[i] = self.skipped.get(i, 0) + 1
+            self._chained = []
+            return [False] * len(ids)
         cum = self.prior.predict(prior_features(self.running.rate(ids), self.k_blk - 1)).cumprod(-1)  # [R, K-1]
         secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.numel()))  # [R*(K-1) + 1]
-        pending = torch.tensor([float(sum(f.shape[0] for f in s.context)) for s in states], dtype=torch.float64)  # [R] tokens to extend
+        pending = torch.tensor([float(s.context_tokens) for s in states], dtype=torch.float64)  # [R] tokens to extend
         k = self.overrun.k
         draft_s, extra_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
         self.explore = min(self.explore + EXPLORE * float(secs[0]), 256 * EXPLORE * float(secs[0]))  # saved up over 256 steps at most
         force = self._probes(ids, extra_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0])
         plan = plan_drafts(cum, secs, n_req, draft_s, force, extra_s)
         self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
+        self._idle = None if bool(plan.draft.any()) else (ids, others)
+        self._idle_secs = float(secs[0])
         self.forced = {i for i, f in zip(ids, force.tolist()) if f}
         for i, d in zip(ids, plan.draft.tolist()):
             self._after_plan(i, d)

@@ -358,7 +358,7 @@ def test_probes_spend_at_most_their_share_of_the_time():
         policy.prior = AcceptanceModel([-9.0, 0.0, 0.0], prior=1e6)  # nothing is ever accepted
         st = [RequestState(Request(f"r{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
         for s in st:
-            s.context = [torch.zeros(pending, 4)]
+            s.add_context(torch.zeros(pending, 4))
         n, spent = 0, 0.0
         for _ in range(400):
             picks = policy.select(st)
@@ -369,6 +369,36 @@ def test_probes_spend_at_most_their_share_of_the_time():
 
     (n_short, spent), (n_long, _) = probes(10), probes(400)
     assert spent <= EXPLORE * 400 * staircase_cost().verify(8, 8) + 0.1 and 0 < n_long < n_short
+
+
+def test_undrafted_batch_skips_planning_without_changing_a_decision():
+    """Between probe steps a batch where nobody drafted is not planned again (the policy's work stays off
+    the step where drafting does not pay): the same picks, probes and back-offs as planning every step."""
+    from adaflash.policy_cost import PROBE_SYNC
+
+    def run(plan_every_step: bool) -> tuple[list, dict, int]:
+        policy = CostPolicy(staircase_cost(), 16)
+        policy.prior = AcceptanceModel([-6.0, 0.0, 0.0], prior=1e6)  # drafting never pays
+        st = [RequestState(Request(f"r{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
+        picks, planned = [], 0
+        real = CostPolicy._priced
+        policy._priced = lambda secs: (planned_inc(), real(policy, secs))[1]  # counts full plans
+
+        def planned_inc():
+            nonlocal planned
+            planned += 1
+
+        for step in range(200):
+            if plan_every_step:
+                policy._idle = None
+            batch = st[: 8 if step < 120 else 6]  # two requests finish
+            picks.append(policy.select(batch))
+        return picks, dict(policy.skipped), planned
+
+    fast, slow = run(False), run(True)
+    assert fast[0] == slow[0] and fast[1] == slow[1]
+    assert any(any(p) for p in fast[0])  # probes still happen
+    assert slow[2] == 200 and fast[2] < 200 * 2 // PROBE_SYNC  # planned on probe steps, the step after a probe and batch changes only
 
 
 def test_overrun_learns_what_drafting_really_costs():
