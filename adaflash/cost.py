@@ -62,29 +62,48 @@ class Linear:
         d = len(self.names)
         x = torch.tensor(self.x0, dtype=torch.float64).reshape(-1, d)  # [n, d]
         y = torch.tensor(self.y0, dtype=torch.float64)  # [n]
-        self._a0 = self.prior_weight * x.T @ x + self.ridge * torch.eye(d, dtype=torch.float64)  # [d, d] prior information
-        self._b0 = self.prior_weight * x.T @ y  # [d]
-        self._a, self._b = torch.zeros(d, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)  # live information
+        a0 = self.prior_weight * x.T @ x + self.ridge * torch.eye(d, dtype=torch.float64)  # [d, d] prior information
+        self._a0, self._b0 = a0.tolist(), (self.prior_weight * x.T @ y).tolist()  # [d, d], [d]
+        # live information: [d, d] and [d] in Python floats (d <= 4, updated every engine step: tensor ops
+        # would cost more than the arithmetic)
+        self._a, self._b = [[0.0] * d for _ in range(d)], [0.0] * d
         self._solve()
 
     def _solve(self) -> None:
-        self.theta = torch.linalg.solve(self._a0 + self._a, self._b0 + self._b)  # [d]
+        a = [[p + q for p, q in zip(ra, rb)] for ra, rb in zip(self._a0, self._a)]
+        self.theta = solve_small(a, [p + q for p, q in zip(self._b0, self._b)])  # [d]
 
     def __call__(self, *x: float) -> float:
-        return float(torch.tensor(x, dtype=torch.float64) @ self.theta)
+        return sum(t * v for t, v in zip(self.theta, x))
 
     def observe(self, x: list[float], y: float) -> None:
         """One live measurement: y seconds for features x."""
-        xt = torch.tensor(x, dtype=torch.float64)  # [d]
-        pred = max(float(xt @ self.theta), 1e-9)
+        pred = max(self(*x), 1e-9)
         y = min(max(y, (1 - self.clip) * pred), (1 + self.clip) * pred)
-        self._a = self.forget * self._a + torch.outer(xt, xt)
-        self._b = self.forget * self._b + xt * y
+        f = self.forget
+        self._a = [[f * v + xi * xj for v, xj in zip(row, x)] for row, xi in zip(self._a, x)]
+        self._b = [f * v + xi * y for v, xi in zip(self._b, x)]
         self._solve()
 
     def coef(self, name: str, floor: float = 0.0) -> float:
         """One coefficient, at least `floor` (a fit on noisy steps can go slightly negative)."""
-        return max(float(self.theta[self.names.index(name)]), floor)
+        return max(self.theta[self.names.index(name)], floor)
+
+
+def solve_small(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a small dense system (Gaussian elimination with partial pivoting, in floats)."""
+    n = len(b)
+    m = [list(row) + [v] for row, v in zip(a, b)]  # [n, n + 1]
+    for c in range(n):
+        p = max(range(c, n), key=lambda i: abs(m[i][c]))
+        m[c], m[p] = m[p], m[c]
+        for i in range(c + 1, n):
+            f = m[i][c] / m[c][c]
+            m[i] = [u - f * v for u, v in zip(m[i], m[c])]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
 
 
 KNEES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # candidate knees (tokens per step) of the verify cost
@@ -125,6 +144,7 @@ class StepCost:
         self.points = {"target": list(target_points), "drafter": drafter_points, "rows": list(rows or [])}
         self.knee = 0 if rows else fit_knee(self.points["target"])
         self._g = rows_feature(rows) if rows else None  # [max N + 1] g(N) in seconds
+        self._g_at: list[float] | None = None  # g(0 .. max N) as floats, made on first use
         self.target = Linear(["1", "R", "N"], [self._x(r, n) for r, n, _ in target_points], [t for *_, t in target_points], forget)
         self.drafter = Linear(
             ["1", "Rd", "RdLd", "Cx"], [[1.0, r, r * ld, cx] for r, ld, cx, _ in drafter_points], [t for *_, t in drafter_points], forget
@@ -140,8 +160,11 @@ class StepCost:
         return self._g[n.clamp(max=top)] + slope * (n - top).clamp(min=0)
 
     def _x(self, r: int, n: int) -> list[float]:
-        """Verify-cost features: 1, R, g(N)."""
-        return [1.0, float(r), float(self.g(torch.tensor([n]))[0])]
+        """Verify-cost features: 1, R, g(N) (read from a list: this runs several times a step)."""
+        if self._g_at is None:
+            self._g_at = self.g(torch.arange(len(self._g) if self._g is not None else 257)).tolist()
+        g = self._g_at[n] if n < len(self._g_at) else float(self.g(torch.tensor([n]))[0])
+        return [1.0, float(r), g]
 
     def verify(self, r: int, n: int) -> float:
         return max(self.target(*self._x(r, n)), 1e-6)
@@ -149,7 +172,7 @@ class StepCost:
     def verify_curve(self, r: int, n: int, extra: int) -> torch.Tensor:
         """[extra + 1] seconds of verifying N = n .. n + extra tokens over r requests (non-decreasing)."""
         g = self.g(torch.arange(n, n + extra + 1))  # [extra + 1]
-        a0, a1 = float(self.target.theta[0]), float(self.target.theta[1])
+        a0, a1 = self.target.theta[0], self.target.theta[1]
         return (a0 + a1 * r + self.per_token * g).clamp(min=1e-6)
 
     def draft(self, rd: int, ld: int, cx: int = 0) -> float:

@@ -218,35 +218,39 @@ def plan_drafts(
 
 
 def _scan(cum, secs, fixed_gain, draft_s, force, extra_s) -> DraftPlan:
-    """plan_drafts' scan over block lengths and prefixes of the drafts ranked by cum."""
+    """plan_drafts' scan over every block length b and prefix of the drafts ranked by cum, in one pass
+    of tensor ops (it runs every step): the drafts are ranked once (the forced requests' first drafts
+    first, then by falling cum, ties to the earlier request and position), and a block of b drafts
+    from the ranked drafts those at positions < b - 1, in the same order."""
     r, n_pos = cum.shape
     d_pass, d_req, d_row = draft_s
-    no_draft = DraftPlan(torch.zeros(r, dtype=torch.bool), 0, torch.ones(r, dtype=torch.long), fixed_gain / float(secs[0]))
-    best = None if bool(force.any()) else no_draft
-    n_forced = int(force.sum())
-    peak, worse = 0.0, 0  # best drafting rate so far; block lengths since it (the rate over b rises, then falls)
-    for b in range(2, n_pos + 2):  # block length b: drafts 1 .. b - 1; stop 3 lengths past the peak
-        if worse == 3:
-            break
-        part = cum[:, : b - 1]  # [R, b-1]
-        flat = part.reshape(-1)
-        first = torch.arange(r) * (b - 1)  # [R]: flat index of each request's first draft
-        rest = torch.ones(r * (b - 1), dtype=torch.bool)
-        rest[first[force]] = False
-        tail = torch.nonzero(rest).squeeze(1)
-        order = torch.cat([first[force], tail[torch.argsort(flat[tail], descending=True, stable=True)]])  # [R*(b-1)]
-        is_first = (order % (b - 1)) == 0  # a request's first draft: it starts drafting there
-        drafted = torch.cat([torch.zeros(1, dtype=torch.long), is_first.long().cumsum(0)])  # [M + 1]
-        extra = torch.cat([extra_s.new_zeros(1), torch.where(is_first, extra_s[order // (b - 1)], 0.0).cumsum(0)])  # [M + 1]
-        cost = secs[: len(order) + 1] + (drafted > 0) * d_pass + drafted * (d_req + d_row * b) + extra  # [M + 1]
-        n, rate = _best_prefix(flat[order], cost, fixed_gain, start=max(n_forced, 1))
-        peak, worse = (rate, 0) if rate > peak else (peak, worse + 1)
-        if best is None or rate > best.rate:
-            taken = torch.zeros(r * (b - 1), dtype=torch.bool)
-            taken[order[:n]] = True
-            drafts = taken.view(r, b - 1).sum(-1)  # [R]
-            best = DraftPlan(drafts > 0, b, 1 + drafts, rate)
-    return best
+    flat = cum.reshape(-1)  # [M], M = R * J: request i's position j at i * J + j
+    first = torch.arange(r) * n_pos  # [R]
+    rest = torch.ones(r * n_pos, dtype=torch.bool)
+    rest[first[force]] = False
+    tail = torch.nonzero(rest).squeeze(1)
+    order = torch.cat([first[force], tail[torch.argsort(flat[tail], descending=True, stable=True)]])  # [M]
+    pos = order % n_pos  # [M] block position of each ranked draft
+    blocks = torch.arange(2, n_pos + 2, dtype=torch.float64)  # [B] block lengths
+    take = pos[None] < torch.arange(1, n_pos + 1)[:, None]  # [B, M]: in a block of that length (b - 1 drafts)
+    count = take.long().cumsum(1)  # [B, M] drafts taken up to each ranked one
+    gain = fixed_gain + (flat[order][None] * take).cumsum(1)  # [B, M]
+    is_first = pos == 0  # a request's first draft: it starts drafting there (in every block)
+    drafted = is_first.long().cumsum(0)  # [M]
+    extra = torch.where(is_first, extra_s[order // n_pos], 0.0).cumsum(0)  # [M]
+    cost = secs[count] + (drafted > 0).double() * d_pass + drafted * (d_req + d_row * blocks[:, None]) + extra  # [B, M]
+    ok = take & (count >= max(int(force.sum()), 1))  # a new prefix, past the forced drafts
+    rate = torch.where(ok, gain / cost, float("-inf"))  # [B, M]
+    best_b = rate.amax(1)  # [B]
+    bi = int(best_b.argmax())  # the shortest block of the best rate
+    plain = fixed_gain / float(secs[0])
+    if not bool(force.any()) and float(best_b[bi]) <= plain:
+        return DraftPlan(torch.zeros(r, dtype=torch.bool), 0, torch.ones(r, dtype=torch.long), plain)
+    last = int(rate[bi].argmax())  # the shortest prefix of that rate
+    taken = torch.zeros(r * n_pos, dtype=torch.bool)
+    taken[order[: last + 1][take[bi, : last + 1]]] = True
+    drafts = taken.view(r, n_pos).sum(-1)  # [R]
+    return DraftPlan(drafts > 0, int(blocks[bi]), 1 + drafts, float(rate[bi, last]))
 
 
 # ----------------------------------------------------------------------------- the policy

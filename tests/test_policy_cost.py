@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 
-from adaflash.cost import TARGET_GRID, Linear, StepCost, calibrate, fit_knee, load_or_calibrate, rows_feature
+from adaflash.cost import TARGET_GRID, Linear, StepCost, calibrate, fit_knee, load_or_calibrate, rows_feature, solve_small
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
 from adaflash.policy_cost import (
     AcceptanceModel,
@@ -36,7 +36,7 @@ def linear_cost(a=(0.06, 0.01, 0.005), d=(0.005, 0.003, 0.0005)) -> StepCost:
 # ----------------------------------------------------------------------------- cost model
 def test_linear_fit_recovers_coefficients_and_follows_live_steps():
     c = linear_cost()
-    torch.testing.assert_close(c.target.theta, torch.tensor([0.06, 0.01, 0.005], dtype=torch.float64))
+    torch.testing.assert_close(torch.tensor(c.target.theta, dtype=torch.float64), torch.tensor([0.06, 0.01, 0.005], dtype=torch.float64))
     assert c.per_token == pytest.approx(0.005) and c.per_drafted == pytest.approx((0.005, 0.003, 0.0005))
     assert c.draft(0, 16) == 0.0  # no drafted request: no pass
     for _ in range(60):  # the machine got 30% slower at R = 8 with varying lengths: the fit follows
@@ -234,6 +234,47 @@ def test_plan_drafts_matches_brute_force():
         assert got.rate == pytest.approx(best, rel=0.02), case  # the scan is greedy in requests' drafting cost
 
 
+def _scan_loop(cum, secs, fixed_gain, draft_s, force, extra_s):
+    """Reference for policy_cost._scan: a plain loop over block lengths and prefixes of the ranked drafts."""
+    r, n_pos = cum.shape
+    best = None if bool(force.any()) else (fixed_gain / float(secs[0]), 0, [0] * r)
+    for b in range(2, n_pos + 2):
+        ranked = [(0, i, 0) for i in range(r) if force[i]]  # forced first drafts first, then by falling cum
+        ranked += sorted(
+            ((-float(cum[i, j]), i, j) for i in range(r) for j in range(b - 1) if not (j == 0 and force[i])), key=lambda t: t[0]
+        )
+        gain, cost_x, drafted, drafts = fixed_gain, 0.0, 0, [0] * r
+        for n, (_, i, j) in enumerate(ranked, 1):
+            gain += float(cum[i, j])
+            drafts[i] += 1
+            if j == 0:
+                drafted, cost_x = drafted + 1, cost_x + float(extra_s[i])
+            if n < max(int(force.sum()), 1):
+                continue
+            rate = gain / (float(secs[n]) + draft_s[0] + drafted * (draft_s[1] + draft_s[2] * b) + cost_x)
+            if best is None or rate > best[0] * (1 + 1e-12):
+                best = (rate, b, list(drafts))
+    return best
+
+
+def test_scan_matches_a_loop_over_blocks_and_prefixes():
+    """The vectorised scan picks what a loop over every block length and ranked prefix picks: forced
+    requests, per-request context costs and tied acceptances included."""
+    from adaflash.policy_cost import _scan
+
+    g = torch.Generator().manual_seed(1)
+    for case in range(60):
+        r, j = int(torch.randint(1, 6, (1,), generator=g)), 6
+        cond = torch.rand(r, j, generator=g, dtype=torch.float64) ** 0.3
+        cum = ((cond * 4).round() / 4 if case % 2 else cond).cumprod(-1)
+        secs = 0.05 + 0.004 * (torch.arange(r * j + 1, dtype=torch.float64) - 3).clamp(min=0)
+        d = tuple(float(x) for x in torch.rand(3, generator=g, dtype=torch.float64) * torch.tensor([0.02, 0.004, 0.001]))
+        force, extra = torch.rand(r, generator=g) < 0.2, torch.rand(r, generator=g, dtype=torch.float64) * 0.01
+        got, (rate, block, drafts) = _scan(cum, secs, r, d, force, extra), _scan_loop(cum, secs, r, d, force, extra)
+        assert got.rate == pytest.approx(rate, rel=1e-9) and got.block == block, case
+        assert got.lens.tolist() == [1 + n for n in drafts], case
+
+
 def test_longer_blocks_where_tokens_are_cheap():
     """The same acceptance verifies more per request at one request than at 32 (a CPU's tokens cost)."""
     c = linear_cost()
@@ -399,6 +440,16 @@ def test_undrafted_batch_skips_planning_without_changing_a_decision():
     assert fast[0] == slow[0] and fast[1] == slow[1]
     assert any(any(p) for p in fast[0])  # probes still happen
     assert slow[2] == 200 and fast[2] < 200 * 2 // PROBE_SYNC  # planned on probe steps, the step after a probe and batch changes only
+
+
+def test_solve_small_matches_torch():
+    """The step-cost fits solve their 2-4 unknowns in floats: the same solution as torch.linalg.solve."""
+    g = torch.Generator().manual_seed(0)
+    for d in (1, 2, 3, 4):
+        x = torch.randn(12, d, generator=g, dtype=torch.float64)
+        a, b = x.T @ x + 1e-6 * torch.eye(d, dtype=torch.float64), torch.randn(d, generator=g, dtype=torch.float64)
+        a[0] *= 1e-3  # badly scaled rows (seconds against seconds squared) need the pivoting
+        torch.testing.assert_close(torch.tensor(solve_small(a.tolist(), b.tolist()), dtype=torch.float64), torch.linalg.solve(a, b))
 
 
 def test_overrun_learns_what_drafting_really_costs():
