@@ -261,23 +261,36 @@ class Overrun:
     proposing, commits); k how far off the predicted cost of drafting is, all it brings included
     (drafting from scattered pool rows, proposing and checking drafts, verifying mixed lengths: on a
     2-core CPU at concurrency 32 drafting cost about twice what the two passes' models said).
-    Least squares with forgetting (memory ~1 / (1 - forget) steps), pulled toward o = 0, k = 1 by
-    `weight` steps' worth of evidence at E = `scale` seconds."""
+    Least squares, pulled toward o = 0, k = 1 by `weight` steps' worth of evidence at E = `scale`
+    seconds. Steps without drafts (E = 0) and with drafts are remembered apart, each kind forgetting
+    per step of its own kind (memory ~1 / (1 - forget) such steps): o is the plain steps' mean overrun
+    once there is one, and k fits the drafting steps' rest. Where nearly every step drafts, the few
+    plain ones still pin o, so what drafting costs beyond its prediction lands in k (which decides
+    whether to draft) rather than in o (which both choices pay). Before any plain step both come from
+    the drafting steps."""
 
     def __init__(self, forget: float = 0.95, weight: float = 4.0, scale: float = 0.02, k_max: float = 4.0):
         self.forget, self.k_max = forget, k_max
         self.p0 = (1e-9, weight * scale**2)  # prior information on o and k (diagonal), pulling toward (0, 1)
-        self.a = [0.0, 0.0, 0.0]  # sums of x x^T (1, E; E, E^2), forgetting; 2x2 in Python floats: it runs every step
-        self.b = [0.0, 0.0]  # sums of x * W'
+        self.plain = [0.0, 0.0]  # plain steps: (count, sum of W'), forgetting; Python floats: this runs every step
+        self.drafted = [0.0, 0.0, 0.0, 0.0, 0.0]  # drafting steps: sums of 1, E, E^2, W', E * W'
         self.theta = (0.0, 1.0)  # (o, k)
 
     def update(self, excess: float, seconds: float) -> None:
         """One step: predicted drafting seconds E, measured W - t_T(plain) seconds."""
-        f, a, b = self.forget, self.a, self.b
-        self.a = [f * a[0] + 1.0, f * a[1] + excess, f * a[2] + excess * excess]
-        self.b = [f * b[0] + seconds, f * b[1] + excess * seconds]
-        a11, a12, a22 = self.a[0] + self.p0[0], self.a[1], self.a[2] + self.p0[1]
-        b1, b2 = self.b[0], self.b[1] + self.p0[1]  # the prior's k = 1
+        f = self.forget
+        if excess <= 0:
+            self.plain = [f * self.plain[0] + 1.0, f * self.plain[1] + seconds]
+        else:
+            x = (1.0, excess, excess * excess, seconds, excess * seconds)
+            self.drafted = [f * s + v for s, v in zip(self.drafted, x)]
+        (n_p, w_p), (n_d, e, e2, w_d, ew) = self.plain, self.drafted
+        if n_p > 0:  # o is what plain steps overran by; k fits the drafting steps' rest
+            o = w_p / n_p
+            self.theta = (o, (ew - o * e + self.p0[1]) / (e2 + self.p0[1]))  # the prior's k = 1
+            return
+        a11, a12, a22 = n_d + self.p0[0], e, e2 + self.p0[1]  # no plain step yet: both from the drafting steps
+        b1, b2 = w_d, ew + self.p0[1]
         det = a11 * a22 - a12 * a12
         self.theta = ((a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det)
 
@@ -521,8 +534,10 @@ class CostPolicy(VerifyPolicy):
             self.cost.observe_draft(*draft)
 
     def observe_step(self, seconds):
-        """Refit the overrun (o, k) on the whole step."""
+        """Refit the overrun (o, k) on the whole step (clipped: one step stalled by another process, or the
+        first of a new shape, must not set o for many steps where plain steps are rare)."""
         if self._excess is not None:
             plain, excess = self._excess
-            self.overrun.update(excess, seconds - plain)
+            over = min(max(seconds - plain, -0.5 * plain), 0.5 * plain + self.overrun.k_max * excess)
+            self.overrun.update(excess, over)
         self._excess, self._batch = None, None

@@ -468,6 +468,15 @@ def test_overrun_learns_what_drafting_really_costs():
     for _ in range(50):
         same.update(0.02, 0.03)
     assert same.k == pytest.approx(1.0, abs=0.01) and same.o == pytest.approx(0.01, abs=0.001)
+    # the same drafting steps after three plain ones that took 2 ms over the model: o = 2 ms, and drafting's
+    # 8 ms over its prediction is k's (1.4, shrunk toward 1 by its prior), not o's, though the plain steps
+    # are 100 drafting steps old
+    pinned = Overrun()
+    for _ in range(3):
+        pinned.update(0.0, 0.002)
+    for _ in range(100):
+        pinned.update(0.02, 0.03)
+    assert pinned.o == pytest.approx(0.002, abs=1e-9) and 1.3 < pinned.k < 1.4
 
 
 # ----------------------------------------------------------------------------- offline evaluation
