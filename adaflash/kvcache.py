@@ -206,10 +206,11 @@ _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def pool_of(model) -> KVPool:
     """The model's shared pool (`model.new_pool()`, made on first use; it dies with the model), for
     caches made outside an engine; it is made anew if the model moved to another dtype or device."""
-    pool = _POOLS.get(model)
-    fresh = model.new_pool()
-    if pool is None or (pool.dtype, pool.device, pool.shape) != (fresh.dtype, fresh.device, fresh.shape):
-        pool = _POOLS[model] = fresh
+    w = next(model.parameters())
+    pool, made_for = _POOLS.get(model, (None, None))
+    if pool is None or made_for != (w.dtype, w.device):
+        pool = model.new_pool()
+        _POOLS[model] = (pool, (w.dtype, w.device))
     return pool
 
 

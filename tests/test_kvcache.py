@@ -125,3 +125,13 @@ def test_bf16_models_keep_float32_kv_on_a_cpu():
     assert feats.dtype == torch.bfloat16
     torch.testing.assert_close(logits, ref_logits[0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(feats, ref_feats[0], atol=2e-2, rtol=2e-2)
+
+
+def test_a_model_keeps_one_pool_until_it_moves():
+    """Caches made outside an engine share the model's pool; a model moved to another dtype gets a new one."""
+    model = tiny_target(4)
+    first = model.new_cache(1, 8).pool
+    assert model.new_cache(1, 8).pool is first and first.dtype == torch.float32
+    model.to(torch.float64)
+    moved = model.new_cache(1, 8).pool
+    assert moved is not first and moved.dtype == torch.float64 and model.new_cache(1, 8).pool is moved
