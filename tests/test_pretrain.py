@@ -168,7 +168,7 @@ def test_shipped_config_is_valid(name):
 
 
 def test_init_from_target_copies_last_layers(tiny_hf_dir):
-    from adaflash.pipelines.pretrain import init_from_target
+    from adaflash.pipelines.drafter_start import init_from_target
 
     from adaflash.drafter import Drafter, DrafterConfig
     from adaflash.target import load_target

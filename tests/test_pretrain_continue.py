@@ -10,8 +10,9 @@ import shutil
 
 import pytest
 import torch
+from adaflash.pipelines.drafter_start import start_drafter
 from adaflash.pipelines.gate import GateSection, decide, install_drafter
-from adaflash.pipelines.pretrain import PretrainConfig, run_stages, start_drafter
+from adaflash.pipelines.pretrain import PretrainConfig, run_stages
 from safetensors.torch import load_file
 
 from adaflash.config import ConfigError, from_dict
