@@ -6,17 +6,17 @@ A step's wall time is modelled as linear in what it does (seconds):
     drafting       (extend, draft, logits)       t_D = d0 + d1 * Rd + d2 * Rd * Ld + d3 * Cx
                                                  Rd requests drafted, blocks of Ld, Cx context tokens
 
-g(N) is what N token rows cost the target's linear layers beyond one row: the roofline's shape. A
-forward over few rows is bound by reading the weights, so rows are nearly free until the batch becomes
-compute-bound (a single request's forward over 1 or 8 tokens costs the same on a CPU), then each row
-costs about the same; but the matmul kernels work in tiles, so the curve is a staircase (on a 2-core
-AVX-512 machine, float32, one thread: 33 rows cost 11% more than 32, 36 no more than 33), and a
-batch of 32 plain-decoding requests sits right at a tile's edge, where one more row costs a tenth
-of the step. `calibrate` therefore times the linear layers themselves at every row count up to 64,
-then every 4 to 128 and at 160 and 192 (`time_rows`, ROWS_GRID; cleaned by `clean_rows`), and g(N) =
-S(N) - S(1) in seconds, a2 about 1. Without that measurement (a calibration cached before it, or points given by hand), g(N) =
-max(N - knee, 0) with the knee fitted on the calibration points (the candidate with the smallest
-relative residual; 0 gives a model linear in N). a1 is the per-request attention work. Cx: a request
+g(N) is what N token rows cost the target beyond one row: the roofline's shape. A forward over few
+rows is bound by reading the weights, so rows are nearly free until the batch becomes compute-bound
+(a single request's forward over 1 or 8 tokens costs the same on a CPU), then each row costs about the
+same; but the matmul kernels work in tiles, so the curve is a staircase (on a 2-core AVX-512 machine,
+float32, two threads: 1-9 rows cost the same, 11 rows 30% more), and a batch of 32 plain-decoding
+requests sits right at a tile's edge, where one more row costs a tenth of the step. `calibrate`
+therefore times whole forwards of one request over N new tokens at every N up to 40, then every 4 to
+96 and at 112, 128, 160 and 192 (`time_rows`, ROWS_GRID; cleaned by `clean_rows`), and g(N) = S(N) -
+S(1) in seconds, a2 about 1. Without that measurement (a calibration cached before it, or points given
+by hand), g(N) = max(N - knee, 0) with the knee fitted on the calibration points (the candidate with
+the smallest relative residual; 0 gives a model linear in N). a1 is the per-request attention work. Cx: a request
 that drafts first extends its drafter cache with the target features of every token it committed
 since it last drafted (`Engine._extend_context`), so one that skipped many steps costs more to draft
 (on this CPU the extension was 40-50% of drafting at concurrency 32). The cost-aware verify policy
@@ -241,7 +241,7 @@ def rows_feature(rows: list[tuple[int, float]]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- calibration
-ROWS_GRID = tuple(range(1, 65)) + tuple(range(68, 129, 4)) + (160, 192)  # token rows time_rows measures
+ROWS_GRID = tuple(range(1, 41)) + tuple(range(44, 97, 4)) + (112, 128, 160, 192)  # token rows time_rows measures
 # (requests, tokens each), up to the batch sizes the engine serves (a fit only interpolates well)
 TARGET_GRID = ((1, 1), (1, 4), (1, 8), (1, 16), (1, 32), (4, 1), (4, 4), (8, 1), (8, 4), (8, 8), (16, 1), (32, 1), (32, 2))
 DRAFTER_GRID = ((1, 2), (1, 16), (4, 4), (8, 2), (8, 8), (32, 2), (32, 4))  # (requests drafted, block length)
@@ -255,24 +255,24 @@ def _seconds(fn) -> float:
 
 
 @torch.no_grad()
-def time_rows(target, reps: int = 3, grid: tuple[int, ...] = ROWS_GRID) -> list[tuple[int, float]]:
-    """[(N, seconds)]: the target's linear layers (the first decoder layer's projections, times the
-    number of layers, plus the LM head) on N token rows, the fastest of `reps` sweeps over the grid. The
-    step shape of the matmul kernels' tiles shows here without the noise of whole forwards."""
-    from adaflash.quant import PROJECTIONS
+def time_rows(target, reps: int = 3, grid: tuple[int, ...] = ROWS_GRID, context: int = 8) -> list[tuple[int, float]]:
+    """[(N, seconds)]: whole target forwards of one request over N new tokens (after a `context`-token
+    prompt, rolled back after each), the fastest of `reps` sweeps over the grid. Whole forwards, not the
+    linear layers alone: timed apart, one layer's cache-hot projections missed the step up past 9 rows
+    that 30 layers streaming their weights show (on the 2-core AVX-512 machine, two threads: 1-9 rows
+    ~57 ms, 11 rows 74, 16 rows 82), and grew 30-40% slower with N."""
+    vocab, dev = target.config.vocab_size, target.lm_head.weight.device
+    g = torch.Generator().manual_seed(0)
+    cache = target.new_cache(1, context + max(grid) + 1)
+    target.forward_packed([torch.randint(0, vocab, (context,), generator=g).to(dev)], [cache], logits_last_only=True)
+    tokens = torch.randint(0, vocab, (max(grid),), generator=g).to(dev)
 
-    layer, head = [target.model.layers[0].get_submodule(p) for p in PROJECTIONS.values()], target.lm_head
-    dev, dt = head.weight.device, target.dtype
-    xs = {m.in_features: torch.randn(max(grid), m.in_features, device=dev, dtype=dt) for m in layer + [head]}
-    n_layers = len(target.model.layers)
-
-    def secs(n: int) -> float:  # layers x n_layers + head, each timed once
-        t0 = time.perf_counter()
-        for m in layer:
-            m(xs[m.in_features][:n])
-        t1 = time.perf_counter()
-        head(xs[head.in_features][:n])
-        return (t1 - t0) * n_layers + time.perf_counter() - t1
+    def secs(n: int) -> float:
+        t = time.perf_counter()
+        target.forward_packed([tokens[:n]], [cache])
+        t = time.perf_counter() - t
+        cache.crop(context)
+        return t
 
     secs(grid[0])  # warm-up: first calls allocate
     best = [float("inf")] * len(grid)
@@ -346,7 +346,7 @@ def machine_key(target, drafter) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "attention": "kv-pool",  # the engine's attention (ragged over one KV pool since issue 21): its step costs differ
-        "rows": "measured",  # calibrations since the row staircase (time_rows) was measured
+        "rows": "forward",  # calibrations since the row staircase (time_rows) is timed on whole forwards
         "target": fingerprint(target),
         "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",

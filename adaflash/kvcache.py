@@ -239,7 +239,8 @@ class Ragged:
     their parents), or the whole block (`causal=False`, the drafter's bidirectional block).
     """
 
-    CALL = 500  # one attention call's overhead (~50 us), in units of reading one row x key of K/V (~0.1 us)
+    CALL = 500  # one attention call's overhead on one thread (~50 us), in units of reading one row x key of K/V (~0.1 us)
+    QUERY = 0.7  # what each query adds per row x key, on one thread, in the same units
     PADDED = 2**21  # most score elements per head in the one padded call (fp32 scores of 9 heads: ~75 MB)
 
     def __init__(
@@ -263,7 +264,10 @@ class Ragged:
         self.tok_slot, self.tok_pos, self.tok_col = packed_slots(caches, starts, lens)
         in_head = self.tok_col < head
         self.head_tok = in_head.nonzero()[:, 0]  # [Nh] packed index of the head queries
-        self.head_row, self.head_col = self.tok_slot[in_head] - self.lo, self.tok_col[in_head]
+        head_row, head_col = self.tok_slot[in_head] - self.lo, self.tok_col[in_head]
+        self.head_dst = head_row * head + head_col  # [Nh] each head query's place in the padded call's [P * head]
+        self.pad_src = torch.full((p * head,), len(self.tok_slot), dtype=torch.long, device=dev)  # [P * head] its query, else a zero row
+        self.pad_src[self.head_dst] = self.head_tok
         trees = trees or [None] * len(lens)
         self.s = max(a + min(n, head) for a, n in zip(starts, lens))
         self.mask = self._head_mask(p, rows_t, starts_t, lens_t, causal, trees) if head else None  # [P, 1, head, S]
@@ -304,10 +308,16 @@ class Ragged:
         A call reads all its rows' K/V (memory-bound for short query blocks: ~0.1 us per row x key on
         two CPU cores) and costs ~0.07 us more per row x key x query and ~50 us of overhead: so a
         request attending alone after the padded call pays its K/V twice, and a mixed batch of short
-        and long blocks may do best with no padded call at all."""
+        and long blocks may do best with no padded call at all. With t threads the reading and the
+        arithmetic divide among them and a call's overhead does not, so the overhead weighs t times
+        more (fitted on mixed batches of 2-32 requests on the 2-core AVX-512 machine: a pick within
+        0.5% of the best split's time at two threads, where the one-thread constants lost 8%: a
+        request verifying 4 tokens among 7 plain ones attended alone at 0.70 ms a layer where padding
+        all 8 to 4 queries took 0.35)."""
+        t = torch.get_num_threads() if self.pool.device.type == "cpu" else 1
 
         def call(rows_keys: int, queries: int) -> float:  # in units of ~0.1 us
-            return self.CALL + rows_keys * (1 + 0.7 * queries)
+            return self.CALL * t + rows_keys * (1 + self.QUERY / t * queries)
 
         best, best_cost = 0, sum(call(a + n, n) for a, n in zip(self.starts, self.lens))
         for h in sorted(set(self.lens)):
@@ -334,11 +344,15 @@ class Ragged:
 
         if not self.head:  # every request on its own, in packed order
             return torch.cat([alone(*t) for t in self.tails])
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [N, Hq*D]
-        qp = q.new_zeros(self.hi - self.lo, self.head, *q.shape[1:])  # [P, head, Hq, D]
-        qp[self.head_row, self.head_col] = q[self.head_tok]
+        # gathers, not scatters into zeros: index_select is the cheap indexing op on a CPU
+        qz = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # [N + 1, Hq, D]: the last row pads
+        qp = qz.index_select(0, self.pad_src).view(self.hi - self.lo, self.head, *q.shape[1:])  # [P, head, Hq, D]
         heads = attn.attend_heads(qp.transpose(1, 2), pk[self.lo : self.hi, :, : self.s], pv[self.lo : self.hi, :, : self.s], self.mask)
-        out[self.head_tok] = heads[self.head_row, self.head_col]
+        heads = heads.reshape(-1, heads.shape[-1]).index_select(0, self.head_dst)  # [Nh, Hq*D]
+        if not self.tails:  # every query in the padded call, in packed order
+            return heads
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [N, Hq*D]
+        out[self.head_tok] = heads
         for t in self.tails:  # the queries past `head` of longer requests: [n - head, Hq*D] each
             out[t[3]] = alone(*t)
         return out
