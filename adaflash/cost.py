@@ -144,7 +144,7 @@ class StepCost:
         self.points = {"target": list(target_points), "drafter": drafter_points, "rows": list(rows or [])}
         self.knee = 0 if rows else fit_knee(self.points["target"])
         self._g = rows_feature(rows) if rows else None  # [max N + 1] g(N) in seconds
-        self._g_at: list[float] | None = None  # g(0 .. max N) as floats, made on first use
+        self._g_at = self.g(torch.arange(len(self._g) if self._g is not None else 257)).tolist()  # g(0 ..) as floats
         self.target = Linear(["1", "R", "N"], [self._x(r, n) for r, n, _ in target_points], [t for *_, t in target_points], forget)
         self.drafter = Linear(
             ["1", "Rd", "RdLd", "Cx"], [[1.0, r, r * ld, cx] for r, ld, cx, _ in drafter_points], [t for *_, t in drafter_points], forget
@@ -161,8 +161,6 @@ class StepCost:
 
     def _x(self, r: int, n: int) -> list[float]:
         """Verify-cost features: 1, R, g(N) (read from a list: this runs several times a step)."""
-        if self._g_at is None:
-            self._g_at = self.g(torch.arange(len(self._g) if self._g is not None else 257)).tolist()
         g = self._g_at[n] if n < len(self._g_at) else float(self.g(torch.tensor([n]))[0])
         return [1.0, float(r), g]
 
@@ -286,8 +284,8 @@ def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) 
     """Time verification and drafting over TARGET_GRID / DRAFTER_GRID / EXTEND_GRID on dummy requests
     with a `context`-token prompt each (one packed prefill, then every point verifies or extends and
     rolls back), the fastest of `reps` sweeps over the whole grid per point (a burst of other work then
-    slows one sweep, not every repetition of one point), and the linear layers' row staircase
-    (`time_rows`). 18 s for SmolLM2 measured on one thread of a busy 2-core CPU."""
+    slows one sweep, not every repetition of one point), and the row staircase of whole forwards
+    (`time_rows`). 31 s for SmolLM2 on two threads of the 2-core AVX-512 machine."""
     g = torch.Generator().manual_seed(seed)
     dev = target.lm_head.weight.device
     n_req = max(r for r, _ in TARGET_GRID + DRAFTER_GRID)

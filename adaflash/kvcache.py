@@ -264,14 +264,15 @@ class Ragged:
         self.tok_slot, self.tok_pos, self.tok_col = packed_slots(caches, starts, lens)
         in_head = self.tok_col < head
         self.head_tok = in_head.nonzero()[:, 0]  # [Nh] packed index of the head queries
-        head_row, head_col = self.tok_slot[in_head] - self.lo, self.tok_col[in_head]
-        self.head_dst = head_row * head + head_col  # [Nh] each head query's place in the padded call's [P * head]
-        self.pad_src = torch.full((p * head,), len(self.tok_slot), dtype=torch.long, device=dev)  # [P * head] its query, else a zero row
-        self.pad_src[self.head_dst] = self.head_tok
+        self.dense = self.rows == list(range(self.lo, self.hi)) and all(n == head for n in lens)
+        if head and not self.dense:  # where the padded call's queries come from and its outputs go
+            head_row, head_col = self.tok_slot[in_head] - self.lo, self.tok_col[in_head]
+            self.head_dst = head_row * head + head_col  # [Nh] each head query's place in the padded call's [P * head]
+            self.pad_src = torch.full((p * head,), len(self.tok_slot), dtype=torch.long, device=dev)  # [P * head]: a query or the zero row
+            self.pad_src[self.head_dst] = self.head_tok
         trees = trees or [None] * len(lens)
         self.s = max(a + min(n, head) for a, n in zip(starts, lens))
         self.mask = self._head_mask(p, rows_t, starts_t, lens_t, causal, trees) if head else None  # [P, 1, head, S]
-        self.dense = self.rows == list(range(self.lo, self.hi)) and all(n == head for n in lens)
         self.tails = []  # (row, block start, n, packed slice of the queries past head, their mask [1, 1, n - head, start + n])
         first = 0
         for r, a, n, tree in zip(self.rows, starts, lens, trees):
@@ -310,10 +311,11 @@ class Ragged:
         request attending alone after the padded call pays its K/V twice, and a mixed batch of short
         and long blocks may do best with no padded call at all. With t threads the reading and the
         arithmetic divide among them and a call's overhead does not, so the overhead weighs t times
-        more (fitted on mixed batches of 2-32 requests on the 2-core AVX-512 machine: a pick within
-        0.5% of the best split's time at two threads, where the one-thread constants lost 8%: a
-        request verifying 4 tokens among 7 plain ones attended alone at 0.70 ms a layer where padding
-        all 8 to 4 queries took 0.35)."""
+        more, and each query's arithmetic 1/t as much against the reading (both fitted on mixed
+        batches of 2-32 requests on the 2-core AVX-512 machine: a pick within 0.5% of the best
+        split's time at two threads, where the one-thread constants lost 8%: a request verifying 4
+        tokens among 7 plain ones attended alone at 0.70 ms a layer where padding all 8 to 4 queries
+        took 0.35)."""
         t = torch.get_num_threads() if self.pool.device.type == "cpu" else 1
 
         def call(rows_keys: int, queries: int) -> float:  # in units of ~0.1 us

@@ -380,9 +380,9 @@ class CostPolicy(VerifyPolicy):
         n_req, n_tok = len(states) + others[0], len(states) + others[1]
         self._batch = (n_req, n_tok)
         if self.steps % PROBE_SYNC and self._idle == (ids, others):  # see `_idle`
-            self.explore = min(self.explore + EXPLORE * self._idle_secs, 256 * EXPLORE * self._idle_secs)
+            self._save_explore(self._idle_secs)
             for i in ids:
-                self.skipped[i] = self.skipped.get(i, 0) + 1
+                self._after_plan(i, False)
             self._chained = []
             return [False] * len(ids)
         cum = self.prior.predict(prior_features(self.running.rate(ids), self.k_blk - 1)).cumprod(-1)  # [R, K-1]
@@ -390,7 +390,7 @@ class CostPolicy(VerifyPolicy):
         pending = torch.tensor([float(s.context_tokens) for s in states], dtype=torch.float64)  # [R] tokens to extend
         k = self.overrun.k
         draft_s, extra_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
-        self.explore = min(self.explore + EXPLORE * float(secs[0]), 256 * EXPLORE * float(secs[0]))  # saved up over 256 steps at most
+        self._save_explore(float(secs[0]))
         force = self._probes(ids, extra_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0])
         plan = plan_drafts(cum, secs, n_req, draft_s, force, extra_s)
         self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
@@ -402,6 +402,10 @@ class CostPolicy(VerifyPolicy):
         self._prune(ids + self._chained)
         self._chained = []
         return plan.draft.tolist()
+
+    def _save_explore(self, step_s: float) -> None:
+        """Add EXPLORE of a step of `step_s` seconds to the probes' budget, saved up over 256 steps at most."""
+        self.explore = min(self.explore + EXPLORE * step_s, 256 * EXPLORE * step_s)
 
     def _priced(self, secs: torch.Tensor) -> torch.Tensor:
         """Verify seconds [M] -> the step's seconds as learnt from whole steps: the work outside the
