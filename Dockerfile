@@ -17,7 +17,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     DS_BUILD_OPS=0 DS_ACCELERATOR=cpu ADAFLASH_CACHE=/opt/adaflash/cache \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
-RUN apt-get update && apt-get install -y --no-install-recommends curl && rm -rf /var/lib/apt/lists/* \
+RUN apt-get update && apt-get install -y --no-install-recommends curl g++ && rm -rf /var/lib/apt/lists/* \
     && python -m venv /opt/venv
 WORKDIR /app
 # Dependencies first (a layer that survives source edits): torch pinned, then the rest of pyproject's list.

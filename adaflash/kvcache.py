@@ -11,10 +11,13 @@ was ~40% of a verification step: docs/benchmarks.md, issue 21).
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 import weakref
 
 import torch
+
+from adaflash.kernels import attention_cpu
 
 
 def kv_dtype(dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
@@ -24,6 +27,33 @@ def kv_dtype(dtype: torch.dtype, device: torch.device | str | None) -> torch.dty
     bf16 step at concurrency 32 on a 2-core AVX-512 CPU)."""
     cpu = device is None or torch.device(device).type == "cpu"
     return torch.float32 if cpu and dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def invariant_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over K/V of this device, storage dtype and head dim runs the row-invariant C++
+    kernel (kernels/attention_cpu.py): CPU inference over float32 K/V (a float32 or bfloat16 model) with
+    head dims of 32, 64 or 128, where the kernel built; else PyTorch's attention (training with autograd,
+    GPUs, no compiler)."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and head_dim in (32, 64, 128)
+        and not torch.is_grad_enabled()
+        and attention_cpu.available()
+    )
+
+
+NO_TREES = torch.zeros(0, dtype=torch.bool)
+
+
+def one_block(cache: "KVCache", start: int, n: int) -> tuple | None:
+    """The kernel's description of one causal block of n tokens at `start` in a batch-1 cache (the padded
+    forward of a single request, e.g. the plain-decoding reference), or None where the kernel is not used."""
+    k = cache.k[0]
+    if k.shape[0] != 1 or not invariant_kernel(k.device, k.dtype, k.shape[-1]) or not k.is_contiguous():
+        return None
+    req = torch.tensor([[0, start, n, 0, 0, 0]])
+    return req, NO_TREES, attention_cpu.context_slots(cache.valid[:1].contiguous(), req)
 
 
 class KVCache:
@@ -124,6 +154,8 @@ class KVPool:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
         self.shape = (n_layers, n_kv_heads, head_dim)
         self.dtype, self.device = kv_dtype(dtype, device), torch.device(device)
+        if self.device.type == "cpu":
+            attention_cpu.load()  # built (once per machine) now, not in the first request's step
         self.lock = threading.RLock()
         self._resizing = False
         self._alloc(0, 0)
@@ -258,10 +290,21 @@ class Ragged:
         dev = pool.device
         self.rows, self.starts, self.lens = [c.slot for c in caches], starts, lens
         self.lo, self.hi = min(self.rows), max(self.rows) + 1
+        self.tok_slot, self.tok_pos, self.tok_col = packed_slots(caches, starts, lens)
+        trees = trees or [None] * len(lens)
+        self.kernel = invariant_kernel(pool.device, pool.dtype, pool.shape[2])
+        if self.kernel:  # one row-invariant kernel call per layer: what each request's queries see, no masks
+            firsts = [0, *itertools.accumulate(lens)][:-1]
+            offs = [0, *itertools.accumulate(n * n if t is not None else 0 for n, t in zip(lens, trees))][:-1]
+            modes = [2 if t is not None else 0 if causal else 1 for t in trees]
+            self.req = torch.tensor(list(zip(self.rows, starts, lens, firsts, modes, offs)), dtype=torch.long).view(-1, 6)
+            flat = [t.reshape(-1).to("cpu", torch.bool) for t in trees if t is not None]
+            self.tree_bits = torch.cat(flat) if flat else NO_TREES
+            self.ctx = attention_cpu.context_slots(pool.valid, self.req)
+            return
         p = self.hi - self.lo
         self.head = head = self._split(p)
         lens_t, starts_t, rows_t = (torch.tensor(x, device=dev) for x in (lens, starts, self.rows))
-        self.tok_slot, self.tok_pos, self.tok_col = packed_slots(caches, starts, lens)
         in_head = self.tok_col < head
         self.head_tok = in_head.nonzero()[:, 0]  # [Nh] packed index of the head queries
         self.dense = self.rows == list(range(self.lo, self.hi)) and all(n == head for n in lens)
@@ -270,7 +313,6 @@ class Ragged:
             self.head_dst = head_row * head + head_col  # [Nh] each head query's place in the padded call's [P * head]
             self.pad_src = torch.full((p * head,), len(self.tok_slot), dtype=torch.long, device=dev)  # [P * head]: a query or the zero row
             self.pad_src[self.head_dst] = self.head_tok
-        trees = trees or [None] * len(lens)
         self.s = max(a + min(n, head) for a, n in zip(starts, lens))
         self.mask = self._head_mask(p, rows_t, starts_t, lens_t, causal, trees) if head else None  # [P, 1, head, S]
         self.tails = []  # (row, block start, n, packed slice of the queries past head, their mask [1, 1, n - head, start + n])
@@ -336,6 +378,8 @@ class Ragged:
         pk, pv = self.pool.k[layer], self.pool.v[layer]
         pk[self.tok_slot, :, self.tok_pos] = k.to(pk.dtype)
         pv[self.tok_slot, :, self.tok_pos] = v.to(pv.dtype)
+        if self.kernel:
+            return attention_cpu.ragged_attention(q, pk, pv, self.req, self.tree_bits, self.ctx)
         if self.dense:  # every row of lo..hi in order with `head` tokens: no scatter, no gather
             qp = q.view(self.hi - self.lo, self.head, *q.shape[1:]).transpose(1, 2)  # [P, Hq, head, D]
             out = attn.attend_heads(qp, pk[self.lo : self.hi, :, : self.s], pv[self.lo : self.hi, :, : self.s], self.mask)

@@ -70,10 +70,16 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, in]
         if flat.shape[0] and self._packable(flat):
-            out = torch.ops.mkldnn._linear_pointwise(flat, self._packed(), self.bias, "none", [], "")
+            # one row goes through oneDNN's 2-row path: its 1-row kernel sums in another order for some shapes
+            # (SmolLM2's down_proj, in 1,536), so a token decoded alone got other last bits than the same token
+            # in a verify block; from 2 rows on (tested to 2,048) a row's result is its own. Same cost.
+            out = self._mm(flat.expand(2, -1).contiguous())[:1] if flat.shape[0] == 1 else self._mm(flat)
         else:
             out = F.linear(flat, self.weight, self.bias)
         return out.view(*x.shape[:-1], out.shape[-1])  # [..., out]
+
+    def _mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(flat, self._packed(), self.bias, "none", [], "")
 
     def _packable(self, x: torch.Tensor) -> bool:
         return not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == self.weight.dtype and self._packs()

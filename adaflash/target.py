@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaflash.kvcache import KVCache, KVPool, Ragged, pool_of
+from adaflash.kernels import attention_cpu
+from adaflash.kvcache import KVCache, KVPool, Ragged, one_block, pool_of
 from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack
 
 
@@ -140,6 +141,7 @@ class TargetModel(nn.Module):
         mask = (cache.valid[:, None, :end] & causal[None]) | (slots[None, None, :] == qslots[None, :, None])
         mask = mask[:, None]  # [B, 1, T, S]
         cos, sin = self.rotary(positions, self.dtype)
+        kernel = one_block(cache, start, t)  # one request on a CPU: the row-invariant kernel, as in forward_packed
 
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         feats = []
@@ -150,7 +152,10 @@ class TargetModel(nn.Module):
             k, v = attn.project_kv(h, cos, sin)
             cache.k[i][:, :, start:end] = k
             cache.v[i][:, :, start:end] = v
-            x = x + attn.attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], mask)
+            if kernel:
+                x = x + attn.o_proj(attention_cpu.ragged_attention(q[0].transpose(0, 1), cache.k[i], cache.v[i], *kernel)[None])
+            else:
+                x = x + attn.attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.feature_layers:
                 feats.append(x)

@@ -14,7 +14,7 @@ from adaflash.drafter import Drafter, DrafterConfig
 from adaflash.target import TargetConfig, TargetModel
 
 
-def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.3) -> TargetModel:
+def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.3, head_dim: int = 16) -> TargetModel:
     """A random Llama-style target; a large init std gives peaked, seed-dependent distributions."""
     torch.manual_seed(seed)
     cfg = TargetConfig(
@@ -24,7 +24,7 @@ def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.
         num_layers=layers,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         rope_theta=10000.0,
     )
     model = TargetModel(cfg, feature_layers=sorted({0, max(0, layers - 2)}))

@@ -1,0 +1,239 @@
+// Row-invariant ragged attention for CPU inference (kernels/attention_cpu.py builds and calls it).
+//
+// Every query's result is a function of its own visible keys, in slot order, and of nothing else:
+// not of how many queries share the call, how far other rows reach, which slots are masked between
+// them, or the thread count. So a token verified inside a block of 8 (or a tree) gets the same bits
+// as when plain decoding computes it alone, and greedy speculative output equals plain decoding
+// bit for bit in bfloat16 too. Built with -ffp-contract=off: the compiler fuses no multiply-add on its
+// own (fused ones are written as std::fma), so the vectorised loop bodies and their scalar remainders
+// do the same IEEE operations.
+//
+// Per query, over its visible keys in order: s_j = (q . k_j) * scale (16 lanes over the head dim, a
+// fixed halving sum), m = max s, e_j = exp(s_j - m) (one polynomial for every element), their sum
+// over 16 lanes of the visible-key index, out = (sum_j e_j v_j, in key order) / sum. GCC's vector
+// extensions keep each of these one fixed sequence of IEEE operations on any x86 ISA.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+
+inline float hsum(v16 x) {  // (lanes 0-7 + 8-15), then halves again: a fixed order
+  v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0 on 16 lanes (Cephes' expf polynomial; below -87 gives ~1e-38)
+inline v16 exp16(v16 v) {
+  const v16 lo = v16{} - 87.0f;
+  v = v < lo ? lo : v;
+  v16 t = v * 1.44269504088896341f + 0.5f;
+  v16 fx = __builtin_convertvector(__builtin_convertvector(t, i16), v16);  // truncation, then floor:
+  fx = fx > t ? fx - 1.0f : fx;
+  v16 r = v - fx * 0.693359375f;
+  r = r + fx * 2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  i16 bits = (__builtin_convertvector(fx, i16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float score(const float* q, const float* k, int64_t d, float sc) {
+  v16 acc = load(q) * load(k);
+  for (int64_t x = 16; x < d; x += 16) acc = acc + load(q + x) * load(k + x);
+  return hsum(acc) * sc;
+}
+
+#define SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+// 16 scores of keys k[0..16) for one query: each the same operations as score()
+inline v16 score16(const float* q, const float* const* k, int64_t d, float sc) {
+  v16 A[16];
+  for (int j = 0; j < 16; ++j) {
+    v16 acc = load(q) * load(k[j]);
+    for (int64_t x = 16; x < d; x += 16) acc = acc + load(q + x) * load(k[j] + x);
+    A[j] = acc;
+  }
+  v16 P[8], Q[4], R[2];
+  for (int i = 0; i < 8; ++i)
+    P[i] = SH(A[2 * i], A[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SH(A[2 * i], A[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    Q[i] = SH(P[2 * i], P[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SH(P[2 * i], P[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    R[i] = SH(Q[2 * i], Q[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SH(Q[2 * i], Q[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  v16 S = SH(R[0], R[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+          SH(R[0], R[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return S * sc;
+}
+
+// out [NV * 16] = (sum_c w[c] * v[slot c] over the context slots, then the block slots, in that order) / sum
+template <int NV>
+void weighted_values(const float* w, const float* vb, const int32_t* cs, int64_t nc, const int32_t* bs, int64_t nb, int64_t d,
+                     float sum, float* out) {
+  v16 acc[NV];
+  for (int x = 0; x < NV; ++x) acc[x] = v16{};
+  for (int64_t c = 0; c < nc + nb; ++c) {
+    const float* vr = vb + static_cast<int64_t>(c < nc ? cs[c] : bs[c - nc]) * d;
+    const float wc = w[c];
+    for (int x = 0; x < NV; ++x) acc[x] = acc[x] + wc * load(vr + 16 * x);
+  }
+  const v16 inv = v16{} + sum;
+  for (int x = 0; x < NV; ++x) store(out + 16 * x, acc[x] / inv);
+}
+
+// s[0..m) <- exp(s - max s), zero up to the next multiple of 16; -> their sum (lanes fixed by the key index)
+inline float softmax_weights(float* s, int64_t m) {
+  float mx = -INFINITY;
+  for (int64_t c = 0; c < m; ++c) mx = s[c] > mx ? s[c] : mx;
+  v16 total = {};
+  for (int64_t c = 0; c < m; c += 16) {
+    v16 e = exp16(load(s + c) - mx);
+    for (int64_t l = m - c; l < 16; ++l) e[l] = 0.0f;
+    store(s + c, e);
+    total = total + e;
+  }
+  return hsum(total);
+}
+
+}  // namespace
+
+// The valid slots before each request's block, once per forward: req [B, 6] (see ragged_attention)
+// -> (slots int32 [sum], offsets int64 [B + 1]).
+std::vector<torch::Tensor> context_slots(torch::Tensor valid, torch::Tensor req) {
+  TORCH_CHECK(valid.scalar_type() == torch::kBool && valid.is_contiguous() && req.scalar_type() == torch::kLong && req.is_contiguous(),
+              "context_slots: valid is a contiguous bool [R, C], req a contiguous int64 [B, 6]");
+  const int64_t n_req = req.size(0), cap = valid.size(1);
+  const bool* vp = valid.data_ptr<bool>();
+  const int64_t* rq = req.data_ptr<int64_t>();
+  auto offsets = torch::empty({n_req + 1}, torch::kLong);
+  int64_t* op = offsets.data_ptr<int64_t>();
+  std::vector<int32_t> slots;
+  op[0] = 0;
+  for (int64_t b = 0; b < n_req; ++b) {
+    const bool* row = vp + rq[b * 6] * cap;
+    for (int64_t j = 0; j < rq[b * 6 + 1]; ++j)
+      if (row[j]) slots.push_back(static_cast<int32_t>(j));
+    op[b + 1] = static_cast<int64_t>(slots.size());
+  }
+  auto out = torch::empty({static_cast<int64_t>(slots.size())}, torch::kInt);
+  std::copy(slots.begin(), slots.end(), out.data_ptr<int32_t>());
+  return {out, offsets};
+}
+
+// q [N, Hq, D] f32; pk, pv [R, Hkv, C, D] f32; req [B, 6] int64 per request: (pool row, block start a,
+// block length n, first packed query, mode, tree offset), mode 0 = causal, 1 = the whole block, 2 = tree
+// (trees[off + i * n + j]: query i sees block key j); ctx, ctx_off: context_slots(). A query sees its
+// request's context slots, then its block keys. -> [N, Hq, D] f32.
+torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor pv, torch::Tensor req, torch::Tensor trees,
+                               torch::Tensor ctx, torch::Tensor ctx_off, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && pk.scalar_type() == torch::kFloat && pv.scalar_type() == torch::kFloat,
+              "ragged_attention: q, k and v must be float32");
+  TORCH_CHECK(q.is_contiguous() && pk.is_contiguous() && pv.is_contiguous() && req.is_contiguous() && trees.is_contiguous() &&
+                  ctx.is_contiguous() && ctx_off.is_contiguous(),
+              "ragged_attention: inputs must be contiguous");
+  TORCH_CHECK(trees.scalar_type() == torch::kBool && req.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kInt &&
+                  ctx_off.scalar_type() == torch::kLong,
+              "ragged_attention: trees bool, req int64, ctx int32, ctx_off int64");
+  const int64_t hq = q.size(1), d = q.size(2), hkv = pk.size(1), cap = pk.size(2), n_req = req.size(0);
+  TORCH_CHECK((d == 32 || d == 64 || d == 128) && pk.size(3) == d && hq % hkv == 0, "ragged_attention: head dim must be 32, 64 or 128");
+  const int64_t rep = hq / hkv;
+  auto out = torch::empty_like(q);
+  const float *qp = q.data_ptr<float>(), *kp = pk.data_ptr<float>(), *vp = pv.data_ptr<float>();
+  const int64_t *rq = req.data_ptr<int64_t>(), *coff = ctx_off.data_ptr<int64_t>();
+  const int32_t* cslots = ctx.data_ptr<int32_t>();
+  const bool* treep = trees.numel() ? trees.data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // work items: chunks of `per` queries of one (request, kv head), queries ordered (token, query head); the
+  // queries of an item share each context K/V row as it is read (their sums stay in key order)
+  int64_t total_q = 0;
+  for (int64_t b = 0; b < n_req; ++b) total_q += rq[b * 6 + 2] * hq;
+  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(16, total_q / (8 * at::get_num_threads())));
+  std::vector<int64_t> items;  // (request, kv head, first query, end query)
+  for (int64_t b = 0; b < n_req; ++b)
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t q0 = 0; q0 < rq[b * 6 + 2] * rep; q0 += per)
+        items.insert(items.end(), {b, h, q0, std::min(q0 + per, rq[b * 6 + 2] * rep)});
+  at::parallel_for(0, static_cast<int64_t>(items.size() / 4), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<int32_t> blk;
+    std::vector<int64_t> len, qo;
+    std::vector<float> s, sums;
+    for (int64_t it = lo; it < hi; ++it) {
+      const int64_t b = items[4 * it], h = items[4 * it + 1], q0 = items[4 * it + 2], nq = items[4 * it + 3] - q0;
+      const int64_t row = rq[b * 6], a = rq[b * 6 + 1], n = rq[b * 6 + 2], first = rq[b * 6 + 3], mode = rq[b * 6 + 4],
+                    toff = rq[b * 6 + 5];
+      const int32_t* cs = cslots + coff[b];
+      const int64_t nc = coff[b + 1] - coff[b], width = (nc + n + 15) / 16 * 16;
+      const float* kb = kp + (row * hkv + h) * cap * d;
+      const float* vb = vp + (row * hkv + h) * cap * d;
+      qo.resize(nq);
+      for (int64_t qi = 0; qi < nq; ++qi) qo[qi] = ((first + (q0 + qi) / rep) * hq + h * rep + (q0 + qi) % rep) * d;
+      s.resize(nq * width);
+      blk.resize(nq * n);
+      len.resize(nq);
+      int64_t c0 = 0;
+      for (; c0 + 16 <= nc; c0 += 16) {  // context scores, 16 keys at a time for every query of the item
+        const float* kr[16];
+        for (int j = 0; j < 16; ++j) kr[j] = kb + static_cast<int64_t>(cs[c0 + j]) * d;
+        for (int64_t qi = 0; qi < nq; ++qi) store(s.data() + qi * width + c0, score16(qp + qo[qi], kr, d, sc));
+      }
+      for (; c0 < nc; ++c0)
+        for (int64_t qi = 0; qi < nq; ++qi) s[qi * width + c0] = score(qp + qo[qi], kb + static_cast<int64_t>(cs[c0]) * d, d, sc);
+      sums.resize(nq);
+      for (int64_t qi = 0; qi < nq; ++qi) {  // block keys and scores, then each query's softmax weights
+        const int64_t i = (q0 + qi) / rep;
+        int32_t* bq = blk.data() + qi * n;
+        int64_t nb = 0;
+        for (int64_t j = 0; j < n; ++j)
+          if (mode == 0 ? j <= i : mode == 1 ? true : treep[toff + i * n + j]) bq[nb++] = static_cast<int32_t>(a + j);
+        float* sr = s.data() + qi * width;
+        for (int64_t c = 0; c < nb; ++c) sr[nc + c] = score(qp + qo[qi], kb + static_cast<int64_t>(bq[c]) * d, d, sc);
+        len[qi] = nb;
+        sums[qi] = softmax_weights(sr, nc + nb);
+      }
+      for (int64_t qi = 0; qi < nq; ++qi) {  // values, each query in key order, its sums in registers
+        const float* w = s.data() + qi * width;
+        const int32_t* bs = blk.data() + qi * n;
+        float* o = op + qo[qi];
+        switch (d / 16) {
+          case 4: weighted_values<4>(w, vb, cs, nc, bs, len[qi], d, sums[qi], o); break;
+          case 8: weighted_values<8>(w, vb, cs, nc, bs, len[qi], d, sums[qi], o); break;
+          default: weighted_values<2>(w, vb, cs, nc, bs, len[qi], d, sums[qi], o);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("context_slots", &context_slots, "the valid slots before each request's block");
+  m.def("ragged_attention", &ragged_attention, "row-invariant ragged attention (CPU)");
+}

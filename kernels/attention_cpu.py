@@ -1,0 +1,115 @@
+"""Row-invariant ragged attention on CPU: a small C++ kernel (attention_cpu.cpp), built on first use.
+
+Why: a bfloat16 (or int4) target rounds every layer's output to 8 significant bits, so the last-bit
+differences that PyTorch's batched matmul and softmax make between a query computed alone and the
+same query inside a verify block (their reduction order depends on the call's shape) become visible,
+and greedy speculative output drifted from plain decoding in about half of the requests. The kernel
+computes every query from its own visible keys in slot order and nothing else, so speculative and
+plain decoding (and any concurrency) give the same bits. Together with `layers.Linear`'s row-invariant
+projections it makes greedy output lossless in bfloat16, not only in float32.
+
+The extension is compiled once per machine (CPU flags), torch version and source (``-O3 -march=native``,
+30-40 s on two cores) into ~/.cache/adaflash/kernels (or $ADAFLASH_KERNEL_CACHE); a KV pool on the CPU
+builds it when it is made, so the first request does not wait. Where no C++ compiler is found, or
+ADAFLASH_ATTENTION=torch is set, `load()` returns None and callers keep PyTorch's attention.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from platformdirs import user_cache_dir
+
+SOURCE = Path(__file__).with_name("attention_cpu.cpp")
+MODES = {"causal": 0, "full": 1, "tree": 2}
+CHUNK = 16  # block queries per work item (a prefill splits into chunks that run in parallel)
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _build_dir() -> Path:
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    base = os.environ.get("ADAFLASH_KERNEL_CACHE") or Path(user_cache_dir("adaflash")) / "kernels"
+    root = Path(base) / f"attention_cpu-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def load():
+    """The compiled extension, or None (no compiler, or ADAFLASH_ATTENTION=torch); built once."""
+    if os.environ.get("ADAFLASH_ATTENTION", "auto") == "torch":
+        return None
+    with _lock:
+        if "mod" not in _state:
+            try:
+                from torch.utils.cpp_extension import load as cpp_load
+
+                _state["mod"] = cpp_load(
+                    name="adaflash_attention_cpu",
+                    sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math"],
+                    build_directory=str(_build_dir()),
+                    verbose=False,
+                )
+            except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's attention instead
+                warnings.warn(
+                    f"row-invariant CPU attention kernel not built ({type(e).__name__}: {str(e)[:300]}); using PyTorch's "
+                    "attention: greedy speculative output in bfloat16/int4 may then differ from plain decoding at near-ties "
+                    "(install a C++ compiler, e.g. apt install g++, to build it)",
+                    stacklevel=2,
+                )
+                _state["mod"] = None
+        return _state["mod"]
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def context_slots(valid: torch.Tensor, req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid pool slots before each request's block, once per forward (every layer shares them):
+    valid [R, C] bool, req [B, 6] (see `ragged_attention`) -> (slots int32 [sum], offsets int64 [B + 1])."""
+    slots, offsets = load().context_slots(valid, req)
+    return slots, offsets
+
+
+def ragged_attention(
+    q: torch.Tensor,  # [N, Hq, D] the packed queries (RoPE applied), any float dtype
+    pk: torch.Tensor,  # [R, Hkv, C, D] float32: one layer's K of the pool
+    pv: torch.Tensor,  # [R, Hkv, C, D] float32
+    req: torch.Tensor,  # [B, 6] int64: (row, block start, block length, first packed query, mode, tree offset)
+    trees: torch.Tensor,  # [T] bool: the tree requests' [n, n] ancestor masks, flattened (empty if none)
+    ctx: tuple[torch.Tensor, torch.Tensor],  # context_slots(valid, req)
+) -> torch.Tensor:
+    """-> [N, Hq * D] in q's dtype: each query attends to its request's context slots, then to the block
+    keys its mode allows (0: its causal prefix, 1: the whole block, 2: its tree ancestors)."""
+    n, hq, d = q.shape
+    out = load().ragged_attention(q.float().contiguous(), pk, pv, req, trees, ctx[0], ctx[1], d**-0.5)  # [N, Hq, D]
+    return out.view(n, hq * d).to(q.dtype)
+
+
+def reference(q, pk, pv, valid, req, trees) -> torch.Tensor:
+    """The same attention in plain PyTorch (float64, one request at a time), for tests. -> [N, Hq*D] float64."""
+    n_tok, hq, d = q.shape
+    hkv = pk.shape[1]
+    out = torch.zeros(n_tok, hq, d, dtype=torch.float64)
+    for row, a, n, first, mode, off in req.tolist():
+        blk = torch.ones(n, n, dtype=torch.bool)
+        blk = blk.tril() if mode == 0 else blk if mode == 1 else trees[off : off + n * n].view(n, n)
+        mask = torch.cat([valid[row, :a].expand(n, a), blk], dim=1)  # [n, a + n]
+        k = pk[row, :, : a + n].double().repeat_interleave(hq // hkv, 0)  # [Hq, a + n, D]
+        v = pv[row, :, : a + n].double().repeat_interleave(hq // hkv, 0)
+        qq = q[first : first + n].double().transpose(0, 1)  # [Hq, n, D]
+        s = (qq @ k.transpose(1, 2) * d**-0.5).masked_fill(~mask, float("-inf"))  # [Hq, n, a + n]
+        out[first : first + n] = (s.softmax(-1) @ v).transpose(0, 1)
+    return out.view(n_tok, hq * d)
