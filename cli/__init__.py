@@ -28,9 +28,10 @@ from adaflash.target import TARGET_DTYPES, TARGET_QUANT_DTYPES
 CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
 CPU_TREE = 8  # the fastest greedy token tree (nodes) measured on a 2-core CPU (docs/benchmarks.md)
 TARGET_DTYPE_HELP = (
-    "target dtype; float32 keeps greedy speculative output identical to plain decoding. bfloat16, int4 (the GGUF's "
-    "Q4_1 weights on PyTorch's CPU int4 kernel) and int8 (per-channel) run bf16 activations: faster, but at near-ties "
-    "greedy speculative output can differ from their own plain decoding; int4-fp32/int8-fp32: float32 activations, slow"
+    "target dtype; greedy speculative output equals the target's own plain decoding in each. bfloat16, int4 (the "
+    "GGUF's Q4_1 weights on PyTorch's CPU int4 kernel) and int8 (per-channel) run bf16 activations: faster where the "
+    "CPU has AVX-512 BF16 or AMX (on a CPU they stay lossless through the row-invariant attention kernel, built with "
+    "g++ on first use); int4-fp32/int8-fp32: float32 activations, slow"
 )
 LOOKUP = 8  # prompt-lookup branch grafted into every tree by default (tokens; docs/benchmarks.md)
 PRETRAIN_HELP = """\

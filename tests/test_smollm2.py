@@ -1,6 +1,6 @@
 """The real target with the committed drafter: greedy DFlash (one chain, a token tree, a tree with a
-prompt-lookup branch) equals plain
-decoding token for token, and the trained drafter really drafts (tau well above 1)."""
+prompt-lookup branch) equals plain decoding token for token, in float32, bfloat16 and int4, and the
+trained drafter really drafts (tau well above 1)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,26 @@ def test_greedy_lossless_on_smollm2(real):
     assert sum(taus) / len(taus) > 1.5, taus  # a trained drafter, not a random one
     assert sum(tree_taus) > sum(taus), (tree_taus, taus)  # second-best drafts get accepted too
     assert sum(lookup_taus) > sum(tree_taus), (lookup_taus, tree_taus)  # answers copy spans of their prompts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int4"])
+def test_greedy_lossless_on_smollm2_in_bf16_activations(dtype):
+    """bfloat16 and int4 round every layer to 8 bits; with the row-invariant attention kernel greedy
+    speculation (chain, tree with lookup, and 3 requests at once) still equals their own plain decoding."""
+    from adaflash.kernels import attention_cpu
+
+    from adaflash.engine import Engine, FixedPolicy, Request
+
+    if not attention_cpu.available():
+        pytest.skip("the C++ attention kernel did not build here (no compiler)")
+    target = load_target("smollm2", dtype)
+    drafter = load_drafter(DRAFTER, target.model, target.identity)
+    lines = (ROOT / "examples" / "prompts.jsonl").read_text().splitlines()[:3]
+    prompts = [target.encode_chat(json.loads(line)["messages"]) for line in lines]
+    refs = [greedy_reference(target.model, ids, 48, target.eos_ids) for ids in prompts]
+    for ids, ar in zip(prompts, refs):
+        for kw in ({"verify_len": 6}, {"tree": 8, "lookup": 8}):
+            assert single_request_engine(target.model, drafter, target.eos_ids, **kw).generate(ids, 48).out == ar
+    reqs = [Request(f"r{i}", ids, 48) for i, ids in enumerate(prompts)]
+    states = Engine(target.model, drafter, FixedPolicy(4), eos_ids=target.eos_ids, max_batch=3).run(reqs)
+    assert [s.out for s in states] == refs

@@ -1,0 +1,72 @@
+"""Target step time with the row-invariant attention kernel vs PyTorch's attention, in ONE process.
+
+  python scripts/attention_check.py [--dtype bfloat16]
+
+Times `TargetModel.forward_packed` (SmolLM2, random token ids) alternately with the kernel
+(kernels/attention_cpu.py) and with ADAFLASH_ATTENTION=torch on the same caches, for decode-like
+steps: R requests with C context tokens each, each bringing its own number of new tokens. Prints a
+Markdown table (median of 7 steps per side). Losslessness is checked with `adaflash generate --json`
+and `scripts/quant_check.py compare` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+CASES = [  # (requests, context tokens, new tokens per request)
+    (1, 300, [1]),
+    (1, 300, [8]),
+    (1, 800, [1]),
+    (1, 800, [16]),
+    (8, 300, [1] * 8),
+    (8, 300, [4] * 8),
+    (32, 300, [1] * 32),
+    (32, 300, [1] * 24 + [3] * 8),
+    (32, 300, [4] * 32),
+    (32, 800, [1] * 32),
+    (32, 150, [2, 3, 4, 5] * 8),
+]
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+    from adaflash.kernels import attention_cpu
+
+    from adaflash.target import load_target
+
+    if not attention_cpu.available():
+        raise SystemExit("the attention kernel did not build here (see the warning above)")
+    model = load_target("smollm2", args.dtype).model
+    print(f"{args.dtype}, {torch.get_num_threads()} threads\n")
+    print("| requests | context | new tokens (sum / max) | PyTorch attention ms | kernel ms | kernel / PyTorch |")
+    print("|---|---|---|---|---|---|")
+    for rows, ctx, lens in CASES:
+        caches = [model.new_cache(1, 1024) for _ in range(rows)]
+        model.forward_packed([torch.randint(0, model.config.vocab_size, (ctx,)) for _ in range(rows)], caches, logits_last_only=True)
+        toks = [torch.randint(0, model.config.vocab_size, (n,)) for n in lens]
+        times = {"torch": [], "auto": []}
+        for rep in range(8):
+            for mode, ts in times.items():
+                os.environ["ADAFLASH_ATTENTION"] = mode
+                t0 = time.perf_counter()
+                model.forward_packed(toks, caches)
+                if rep:  # the first round warms up
+                    ts.append(time.perf_counter() - t0)
+                for c in caches:
+                    c.crop(ctx)
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"| {rows} | {ctx} | {sum(lens)} / {max(lens)} | {ms['torch']:.1f} | {ms['auto']:.1f} | {ms['auto'] / ms['torch']:.2f} |")
+        del caches
+    os.environ.pop("ADAFLASH_ATTENTION")
+
+
+if __name__ == "__main__":
+    main()
