@@ -93,19 +93,53 @@ inline v16 score16(const float* q, const float* const* k, int64_t d, float sc) {
   return S * sc;
 }
 
-// out [NV * 16] = (sum_c w[c] * v[slot c] over the context slots, then the block slots, in that order) / sum
-template <int NV>
-void weighted_values(const float* w, const float* vb, const int32_t* cs, int64_t nc, const int32_t* bs, int64_t nb, int64_t d,
-                     float sum, float* out) {
-  v16 acc[NV];
-  for (int x = 0; x < NV; ++x) acc[x] = v16{};
-  for (int64_t c = 0; c < nc + nb; ++c) {
-    const float* vr = vb + static_cast<int64_t>(c < nc ? cs[c] : bs[c - nc]) * d;
-    const float wc = w[c];
-    for (int x = 0; x < NV; ++x) acc[x] = acc[x] + wc * load(vr + 16 * x);
+// For G queries g: out_g [NV * 16] = (sum_c w_g[c] * v[slot c] over the context slots, then over the
+// query's block slots, in that order) / sum_g. The G queries share each context V row as it is read;
+// every query's sums run in the same order whatever G is.
+template <int NV, int G>
+void weighted_values(const float* const* w, const float* vb, const int32_t* cs, int64_t nc, const int32_t* const* bs,
+                     const int64_t* nb, int64_t d, const float* sum, float* const* out) {
+  v16 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int x = 0; x < NV; ++x) acc[g][x] = v16{};
+  for (int64_t c = 0; c < nc; ++c) {
+    const float* vr = vb + static_cast<int64_t>(cs[c]) * d;
+    v16 v[NV];
+    for (int x = 0; x < NV; ++x) v[x] = load(vr + 16 * x);
+    for (int g = 0; g < G; ++g) {
+      const float wc = w[g][c];
+      for (int x = 0; x < NV; ++x) acc[g][x] = acc[g][x] + wc * v[x];
+    }
   }
-  const v16 inv = v16{} + sum;
-  for (int x = 0; x < NV; ++x) store(out + 16 * x, acc[x] / inv);
+  for (int g = 0; g < G; ++g) {
+    for (int64_t c = 0; c < nb[g]; ++c) {
+      const float* vr = vb + static_cast<int64_t>(bs[g][c]) * d;
+      const float wc = w[g][nc + c];
+      for (int x = 0; x < NV; ++x) acc[g][x] = acc[g][x] + wc * load(vr + 16 * x);
+    }
+    const v16 inv = v16{} + sum[g];
+    for (int x = 0; x < NV; ++x) store(out[g] + 16 * x, acc[g][x] / inv);
+  }
+}
+
+// All queries of an item in groups of G (G * NV accumulators stay in registers), the rest one by one.
+template <int NV, int G>
+void values_all(int64_t nq, const float* s, int64_t width, const float* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
+                int64_t n, const int64_t* len, int64_t d, const float* sums, float* op, const int64_t* qo) {
+  int64_t q0 = 0;
+  for (; q0 + G <= nq; q0 += G) {
+    const float* w[G];
+    const int32_t* bs[G];
+    float* out[G];
+    for (int g = 0; g < G; ++g) w[g] = s + (q0 + g) * width, bs[g] = blk + (q0 + g) * n, out[g] = op + qo[q0 + g];
+    weighted_values<NV, G>(w, vb, cs, nc, bs, len + q0, d, sums + q0, out);
+  }
+  for (; q0 < nq; ++q0) {
+    const float* w[1] = {s + q0 * width};
+    const int32_t* bs[1] = {blk + q0 * n};
+    float* out[1] = {op + qo[q0]};
+    weighted_values<NV, 1>(w, vb, cs, nc, bs, len + q0, d, sums + q0, out);
+  }
 }
 
 // s[0..m) <- exp(s - max s), zero up to the next multiple of 16; -> their sum (lanes fixed by the key index)
@@ -218,15 +252,10 @@ torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor 
         len[qi] = nb;
         sums[qi] = softmax_weights(sr, nc + nb);
       }
-      for (int64_t qi = 0; qi < nq; ++qi) {  // values, each query in key order, its sums in registers
-        const float* w = s.data() + qi * width;
-        const int32_t* bs = blk.data() + qi * n;
-        float* o = op + qo[qi];
-        switch (d / 16) {
-          case 4: weighted_values<4>(w, vb, cs, nc, bs, len[qi], d, sums[qi], o); break;
-          case 8: weighted_values<8>(w, vb, cs, nc, bs, len[qi], d, sums[qi], o); break;
-          default: weighted_values<2>(w, vb, cs, nc, bs, len[qi], d, sums[qi], o);
-        }
+      switch (d / 16) {  // values: each query's sums in key order, in registers
+        case 4: values_all<4, 4>(nq, s.data(), width, vb, cs, nc, blk.data(), n, len.data(), d, sums.data(), op, qo.data()); break;
+        case 8: values_all<8, 2>(nq, s.data(), width, vb, cs, nc, blk.data(), n, len.data(), d, sums.data(), op, qo.data()); break;
+        default: values_all<2, 4>(nq, s.data(), width, vb, cs, nc, blk.data(), n, len.data(), d, sums.data(), op, qo.data());
       }
     }
   });

@@ -99,13 +99,12 @@ def test_linear_gives_a_row_the_same_bits_alone_or_among_others(dtype):
                     assert torch.equal(lin(x[i : i + rows]), together[i : i + rows])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_speculation_equals_plain_decoding_bit_for_bit_in_bf16_too(dtype):
+def test_greedy_speculation_equals_plain_decoding_bit_for_bit_in_bf16():
     """A bfloat16 target rounds every layer to 8 bits, so any last bit that depends on the verify block
     shows; with the kernel and row-invariant projections chains, trees and a concurrent batch equal plain
     decoding. (With ADAFLASH_ATTENTION=torch, 2 of these 6 bfloat16 chains differed on the AVX-512 machine.)"""
-    target = tiny_target(6, vocab=512, layers=4, std=0.2, head_dim=32).to(dtype)
-    drafter = tiny_drafter(target, 2).to(dtype)
+    target = tiny_target(6, vocab=512, layers=4, std=0.2, head_dim=32).to(torch.bfloat16)
+    drafter = tiny_drafter(target, 2).to(torch.bfloat16)
     torch.manual_seed(6)
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (7, 12, 5, 9, 14, 6)]
     refs = [greedy_reference(target, p, 32, []) for p in prompts]
