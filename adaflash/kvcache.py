@@ -269,6 +269,9 @@ class Ragged:
     costs ~0.05 ms of overhead. A query sees the row's valid slots before its own block, then within
     its block its causal prefix (`causal`), its ancestors (`trees[i]`, [n_i, n_i] bool, nodes after
     their parents), or the whole block (`causal=False`, the drafter's bidirectional block).
+    On a CPU, for inference, all of that is one call per layer of the row-invariant kernel instead
+    (`invariant_kernel`; kernels/attention_cpu.py): no padding and no split, and each query's result is
+    independent of the rest of the batch, which keeps bfloat16 verification lossless.
     """
 
     CALL = 500  # one attention call's overhead on one thread (~50 us), in units of reading one row x key of K/V (~0.1 us)
