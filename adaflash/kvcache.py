@@ -22,7 +22,8 @@ from adaflash.kernels import attention_cpu
 
 def kv_dtype(dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
     """What K/V are stored in for a model of `dtype`: float32 for bfloat16 / float16 inference on a CPU.
-    Attention multiplies in float32 there (`Attention.attend_heads`), so K/V kept in float32 are
+    Attention multiplies in float32 there (the row-invariant kernel reads only float32 K/V, and
+    `Attention.attend_heads` converts to it), so K/V kept in float32 are
     converted once, as they are written, instead of every layer's whole context on every step (14% of a
     bf16 step at concurrency 32 on a 2-core AVX-512 CPU)."""
     cpu = device is None or torch.device(device).type == "cpu"
@@ -48,9 +49,12 @@ NO_TREES = torch.zeros(0, dtype=torch.bool)
 
 def one_block(cache: "KVCache", start: int, n: int) -> tuple | None:
     """The kernel's description of one causal block of n tokens at `start` in a batch-1 cache (the padded
-    forward of a single request, e.g. the plain-decoding reference), or None where the kernel is not used."""
+    forward of a single request, e.g. the plain-decoding reference), or None where the kernel is not used
+    (a batch, or padding inside the block: the kernel's blocks are all real tokens)."""
     k = cache.k[0]
     if k.shape[0] != 1 or not invariant_kernel(k.device, k.dtype, k.shape[-1]) or not k.is_contiguous():
+        return None
+    if not bool(cache.valid[0, start : start + n].all()):
         return None
     req = torch.tensor([[0, start, n, 0, 0, 0]])
     return req, NO_TREES, attention_cpu.context_slots(cache.valid[:1].contiguous(), req)

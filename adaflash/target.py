@@ -134,14 +134,14 @@ class TargetModel(nn.Module):
             valid = torch.ones(b, t, dtype=torch.bool, device=dev)
         start, positions = cache.append(valid)  # positions: [B, T]
         end = start + t
-        # Query slot i (absolute start+i) sees valid key slots <= itself, and always itself (keeps pad rows finite).
-        slots = torch.arange(end, device=dev)
-        qslots = torch.arange(start, end, device=dev)
-        causal = slots[None, :] <= qslots[:, None]  # [T, S]
-        mask = (cache.valid[:, None, :end] & causal[None]) | (slots[None, None, :] == qslots[None, :, None])
-        mask = mask[:, None]  # [B, 1, T, S]
-        cos, sin = self.rotary(positions, self.dtype)
         kernel = one_block(cache, start, t)  # one request on a CPU: the row-invariant kernel, as in forward_packed
+        if not kernel:  # query slot i (absolute start+i) sees valid key slots <= itself, and always itself (keeps pad rows finite)
+            slots = torch.arange(end, device=dev)
+            qslots = torch.arange(start, end, device=dev)
+            causal = slots[None, :] <= qslots[:, None]  # [T, S]
+            mask = (cache.valid[:, None, :end] & causal[None]) | (slots[None, None, :] == qslots[None, :, None])
+            mask = mask[:, None]  # [B, 1, T, S]
+        cos, sin = self.rotary(positions, self.dtype)
 
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         feats = []

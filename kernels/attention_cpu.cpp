@@ -4,9 +4,8 @@
 // not of how many queries share the call, how far other rows reach, which slots are masked between
 // them, or the thread count. So a token verified inside a block of 8 (or a tree) gets the same bits
 // as when plain decoding computes it alone, and greedy speculative output equals plain decoding
-// bit for bit in bfloat16 too. Built with -ffp-contract=off: the compiler fuses no multiply-add on its
-// own (fused ones are written as std::fma), so the vectorised loop bodies and their scalar remainders
-// do the same IEEE operations.
+// bit for bit in bfloat16 too. Built with -ffp-contract=off: the compiler fuses no multiply-add, so an
+// operation gives the same bits wherever it runs (in a vector or alone).
 //
 // Per query, over its visible keys in order: s_j = (q . k_j) * scale (16 lanes over the head dim, a
 // fixed halving sum), m = max s, e_j = exp(s_j - m) (one polynomial for every element), their sum
@@ -63,21 +62,21 @@ inline v16 exp16(v16 v) {
   return p * scale;
 }
 
-inline float score(const float* q, const float* k, int64_t d, float sc) {
+// q . k on 16 lanes over the head dim (lane l sums dims l, l + 16, ... in order)
+inline v16 products(const float* q, const float* k, int64_t d) {
   v16 acc = load(q) * load(k);
   for (int64_t x = 16; x < d; x += 16) acc = acc + load(q + x) * load(k + x);
-  return hsum(acc) * sc;
+  return acc;
 }
 
+inline float score(const float* q, const float* k, int64_t d, float sc) { return hsum(products(q, k, d)) * sc; }
+
 #define SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-// 16 scores of keys k[0..16) for one query: each the same operations as score()
+// 16 scores of keys k[0..16) for one query: each the same operations as score(), its halving sum
+// done for 16 keys at once by shuffles
 inline v16 score16(const float* q, const float* const* k, int64_t d, float sc) {
   v16 A[16];
-  for (int j = 0; j < 16; ++j) {
-    v16 acc = load(q) * load(k[j]);
-    for (int64_t x = 16; x < d; x += 16) acc = acc + load(q + x) * load(k[j] + x);
-    A[j] = acc;
-  }
+  for (int j = 0; j < 16; ++j) A[j] = products(q, k[j], d);
   v16 P[8], Q[4], R[2];
   for (int i = 0; i < 8; ++i)
     P[i] = SH(A[2 * i], A[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -93,12 +92,13 @@ inline v16 score16(const float* q, const float* const* k, int64_t d, float sc) {
   return S * sc;
 }
 
-// For G queries g: out_g [NV * 16] = (sum_c w_g[c] * v[slot c] over the context slots, then over the
-// query's block slots, in that order) / sum_g. The G queries share each context V row as it is read;
-// every query's sums run in the same order whatever G is.
+// For the G queries q0.. of an item: out_q [NV * 16] = (sum_c w_q[c] * v[slot c] over the context slots,
+// then over the query's block slots, in that order) / sum_q, with w_q = s + q * width (softmax weights)
+// and the block slots blk + q * n (len[q] of them). The G queries share each context V row as it is
+// read; every query's sums run in the same order whatever G is.
 template <int NV, int G>
-void weighted_values(const float* const* w, const float* vb, const int32_t* cs, int64_t nc, const int32_t* const* bs,
-                     const int64_t* nb, int64_t d, const float* sum, float* const* out) {
+void weighted_values(int64_t q0, const float* s, int64_t width, const float* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
+                     int64_t n, const int64_t* len, int64_t d, const float* sums, float* op, const int64_t* qo) {
   v16 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int x = 0; x < NV; ++x) acc[g][x] = v16{};
@@ -107,18 +107,19 @@ void weighted_values(const float* const* w, const float* vb, const int32_t* cs, 
     v16 v[NV];
     for (int x = 0; x < NV; ++x) v[x] = load(vr + 16 * x);
     for (int g = 0; g < G; ++g) {
-      const float wc = w[g][c];
+      const float wc = s[(q0 + g) * width + c];
       for (int x = 0; x < NV; ++x) acc[g][x] = acc[g][x] + wc * v[x];
     }
   }
   for (int g = 0; g < G; ++g) {
-    for (int64_t c = 0; c < nb[g]; ++c) {
-      const float* vr = vb + static_cast<int64_t>(bs[g][c]) * d;
-      const float wc = w[g][nc + c];
+    const int64_t qi = q0 + g;
+    for (int64_t c = 0; c < len[qi]; ++c) {
+      const float* vr = vb + static_cast<int64_t>(blk[qi * n + c]) * d;
+      const float wc = s[qi * width + nc + c];
       for (int x = 0; x < NV; ++x) acc[g][x] = acc[g][x] + wc * load(vr + 16 * x);
     }
-    const v16 inv = v16{} + sum[g];
-    for (int x = 0; x < NV; ++x) store(out[g] + 16 * x, acc[g][x] / inv);
+    const v16 inv = v16{} + sums[qi];
+    for (int x = 0; x < NV; ++x) store(op + qo[qi] + 16 * x, acc[g][x] / inv);
   }
 }
 
@@ -127,19 +128,8 @@ template <int NV, int G>
 void values_all(int64_t nq, const float* s, int64_t width, const float* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
                 int64_t n, const int64_t* len, int64_t d, const float* sums, float* op, const int64_t* qo) {
   int64_t q0 = 0;
-  for (; q0 + G <= nq; q0 += G) {
-    const float* w[G];
-    const int32_t* bs[G];
-    float* out[G];
-    for (int g = 0; g < G; ++g) w[g] = s + (q0 + g) * width, bs[g] = blk + (q0 + g) * n, out[g] = op + qo[q0 + g];
-    weighted_values<NV, G>(w, vb, cs, nc, bs, len + q0, d, sums + q0, out);
-  }
-  for (; q0 < nq; ++q0) {
-    const float* w[1] = {s + q0 * width};
-    const int32_t* bs[1] = {blk + q0 * n};
-    float* out[1] = {op + qo[q0]};
-    weighted_values<NV, 1>(w, vb, cs, nc, bs, len + q0, d, sums + q0, out);
-  }
+  for (; q0 + G <= nq; q0 += G) weighted_values<NV, G>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
+  for (; q0 < nq; ++q0) weighted_values<NV, 1>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
 }
 
 // s[0..m) <- exp(s - max s), zero up to the next multiple of 16; -> their sum (lanes fixed by the key index)
