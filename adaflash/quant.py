@@ -10,6 +10,11 @@ Two formats, each on one of PyTorch's CPU weight-only kernels:
   d*q + m follows, as in the dequantised copy: the int4 weights equal the float32 target's bit for
   bit. In bfloat16 scale and zero are rounded to 8 significant bits (the fp16 d and m have 11).
   Tensors of another GGUF type (SmolLM2's Q8_0 embedding, tied to the LM head) stay in float.
+- q4 (kernels/q4_cpu.py, our kernel): the same Q4_1 blocks times int8-quantised activations (one step
+  per row and 32 inputs), in integer dot products (AVX-512 VNNI where the CPU has it): llama.cpp's
+  arithmetic for this file. Row-invariant by construction, and faster than the int4 kernel from 4 rows
+  on (it unpacks each weight group once per 4 rows); the activations' rounding makes it another model
+  than the float one, with its own plain decoding as the greedy reference.
 - int8 (`_weight_int8pack_mm`, one scale per output channel): a symmetric re-quantisation of the
   float weights (round(w / s), s ~ max|w| / 127), so the weights differ from the file's (any target).
 
@@ -25,6 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from adaflash.kernels import q4_cpu
+
 GROUP = 32  # Q4_1 block size = the int4 kernel's group size
 Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 PROJECTIONS = {  # GGUF tensor name in block i -> submodule path in the target's layer i
@@ -36,7 +43,7 @@ PROJECTIONS = {  # GGUF tensor name in block i -> submodule path in the target's
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-WEIGHT_FORMATS = ("int4", "int8")
+WEIGHT_FORMATS = ("int4", "q4", "int8")
 
 
 def q4_1_unpack(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -89,6 +96,28 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP}, {self.dtype}"
+
+
+class Q4Linear(nn.Module):
+    """Bias-free y = x @ w.T with w = d*q + m per group of 32 inputs, x rounded to int8 per row and 32
+    inputs, on our row-invariant kernel (kernels/q4_cpu.py). q: int [N, K] in 0..15; d, m: [N, K/32]."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+        super().__init__()
+        if q4_cpu.load() is None:
+            raise RuntimeError("the q4 kernel could not be built here (see the warning above): use int4, bfloat16 or float32")
+        packed, dp, mp = q4_cpu.pack(q, d, m)
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.register_buffer("packed", packed)  # [N/16, K/32, 256] uint8
+        self.register_buffer("d", dp)  # [N/16, K/32, 16] float32
+        self.register_buffer("m", mp)
+        self._kernel = q4_cpu.load().q4_linear  # called directly: 210 calls a step, Python overhead counts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.packed, self.d, self.m)  # [..., N] in x's dtype
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 x int8 activations, group {GROUP}"
 
 
 class Int8Linear(nn.Module):
@@ -150,7 +179,7 @@ def gguf_q4_1(gguf: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, 
 
 
 def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None) -> dict:
-    """Swap the target's projection Linears for `fmt` ("int4" from `gguf`'s Q4_1 blocks, "int8"
+    """Swap the target's projection Linears for `fmt` ("int4" or "q4" from `gguf`'s Q4_1 blocks, "int8"
     from the loaded float weights) in the model's dtype, in place; -> a summary of what was
     converted and what stayed float."""
     dtype = model.lm_head.weight.dtype
@@ -161,25 +190,28 @@ def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None) -> dic
         for path in paths:
             _swap(model, path, Int8Linear(model.get_submodule(path).weight, dtype))
         return {"format": "int8", "converted": len(paths), "float": ["embedding", "LM head", "norms"]}
-    if fmt != "int4":
+    if fmt not in ("int4", "q4"):
         raise ValueError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}; got {fmt!r}")
     if gguf is None:
-        raise ValueError("int4 weights are rebuilt from a GGUF's Q4_1 blocks: load the target from 'smollm2' or a .gguf file")
+        raise ValueError(f"{fmt} weights are rebuilt from a GGUF's Q4_1 blocks: load the target from 'smollm2' or a .gguf file")
     c = model.config
     blocks, kept = gguf_q4_1(gguf, c.num_heads, c.num_kv_heads)
     if not blocks:
         raise ValueError(f"{gguf.name} has no Q4_1 projections (types: {sorted(set(kept.values()))}): use int8 or a float dtype")
     for path, (q, d, m) in blocks.items():
-        _swap(model, path, Int4Linear(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), dtype))
+        q, d, m = torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
+        _swap(model, path, Int4Linear(q, d, m, dtype) if fmt == "int4" else Q4Linear(q, d, m))
     float_projections = [p for p in paths if p not in blocks]
-    return {"format": "int4", "converted": len(blocks), "float_projections": float_projections, "float_tensors": kept}
+    return {"format": fmt, "converted": len(blocks), "float_projections": float_projections, "float_tensors": kept}
 
 
 def weight_format(model: nn.Module) -> str:
-    """How the model's projections are stored: "int4", "int8" or "float"."""
+    """How the model's projections are stored: "int4", "q4", "int8" or "float"."""
     for m in model.modules():
         if isinstance(m, Int4Linear):
             return "int4"
+        if isinstance(m, Q4Linear):
+            return "q4"
         if isinstance(m, Int8Linear):
             return "int8"
     return "float"

@@ -332,6 +332,7 @@ def bf16_is_fast() -> bool:
 TARGET_QUANT_DTYPES = {
     "int4": ("int4", torch.bfloat16),
     "int4-fp32": ("int4", torch.float32),
+    "q4": ("q4", torch.bfloat16),
     "int8": ("int8", torch.bfloat16),
     "int8-fp32": ("int8", torch.float32),
 }

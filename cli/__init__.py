@@ -23,13 +23,14 @@ from adaflash.pipelines.prompts import read_prompts_file
 
 from adaflash.config import UsageError
 from adaflash.drafter import DEFAULT_DRAFTER
-from adaflash.target import TARGET_DTYPES, TARGET_QUANT_DTYPES
+from adaflash.target import TARGET_DTYPES, resolve_target_dtype
 
 CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
 CPU_TREE = 8  # the fastest greedy token tree (nodes) measured on a 2-core CPU (docs/benchmarks.md)
 TARGET_DTYPE_HELP = (
     "target dtype; greedy speculative output equals the target's own plain decoding in each. bfloat16, int4 (the "
-    "GGUF's Q4_1 weights on PyTorch's CPU int4 kernel) and int8 (per-channel) run bf16 activations: faster where the "
+    "GGUF's Q4_1 weights on PyTorch's CPU int4 kernel), q4 (the same weights times int8-rounded inputs on our "
+    "kernel, as llama.cpp computes: the fastest on a CPU with AVX-512 VNNI) and int8 (per-channel) run bf16 activations: faster where the "
     "CPU has AVX-512 BF16 or AMX (on a CPU they stay lossless through the row-invariant attention kernel, built with "
     "g++ on first use); int4-fp32/int8-fp32: float32 activations, slow"
 )
@@ -242,8 +243,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(
             "--interleave runs engine methods side by side: not with -fullvocab (it switches the shared drafter) or vllm peers"
         )
-    if args.dtype in TARGET_QUANT_DTYPES and any(is_vllm(m) for m in methods):
-        raise UsageError(f"vllm peers run float targets: --dtype {args.dtype} is ours only (compare with float32 or bfloat16)")
     shift = _shift_args(args, methods, concurrency)
     target = load_target(args.target, args.dtype)
     drafter, head = load_drafter_and_head(args.drafter, target, args.drafter_dtype)
@@ -298,7 +297,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         vllm_python(None)  # fails now, with what to run, when `make vllm` was not
         threads = __import__("torch").get_num_threads()
         vllm = {"target_dir": stock_hf_dir(args.target), "drafter": drafter, "work_dir": Path(args.out) / "vllm", "threads": threads}
-        vllm["dtype"] = args.dtype
+        # a quantised target is ours only: vLLM runs the float model in that target's activation dtype (bfloat16)
+        vllm["dtype"] = str(resolve_target_dtype(args.dtype)[0]).removeprefix("torch.")
     rows = bench(
         target,
         drafter,

@@ -8,68 +8,33 @@ computes every query from its own visible keys in slot order and nothing else, s
 plain decoding (and any concurrency) give the same bits. Together with `layers.Linear`'s row-invariant
 projections it makes greedy output lossless in bfloat16, not only in float32.
 
-The extension is compiled once per machine (CPU flags), torch version and source (``-O3 -march=native``,
-30-40 s on two cores) into ~/.cache/adaflash/kernels (or $ADAFLASH_KERNEL_CACHE); a KV pool on the CPU
+The extension is compiled once per machine (kernels/cpu_build.py, 30-40 s on two cores); a KV pool on the CPU
 builds it when it is made, so the first request does not wait. Where no C++ compiler is found, or
 ADAFLASH_ATTENTION=torch is set, `load()` returns None and callers keep PyTorch's attention.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import threading
-import warnings
 from pathlib import Path
 
 import torch
-from platformdirs import user_cache_dir
+from adaflash.kernels.cpu_build import build
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 MODES = {"causal": 0, "full": 1, "tree": 2}
 CHUNK = 16  # block queries per work item (a prefill splits into chunks that run in parallel)
-
-_lock = threading.Lock()
-_state: dict = {}
-
-
-def _build_dir() -> Path:
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
-    base = os.environ.get("ADAFLASH_KERNEL_CACHE") or Path(user_cache_dir("adaflash")) / "kernels"
-    root = Path(base) / f"attention_cpu-{key}"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def load():
     """The compiled extension, or None (no compiler, or ADAFLASH_ATTENTION=torch); built once."""
     if os.environ.get("ADAFLASH_ATTENTION", "auto") == "torch":
         return None
-    with _lock:
-        if "mod" not in _state:
-            try:
-                from torch.utils.cpp_extension import load as cpp_load
-
-                _state["mod"] = cpp_load(
-                    name="adaflash_attention_cpu",
-                    sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math"],
-                    build_directory=str(_build_dir()),
-                    verbose=False,
-                )
-            except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's attention instead
-                warnings.warn(
-                    f"row-invariant CPU attention kernel not built ({type(e).__name__}: {str(e)[:300]}); using PyTorch's "
-                    "attention: greedy speculative output in bfloat16/int4 may then differ from plain decoding at near-ties "
-                    "(install a C++ compiler, e.g. apt install g++, to build it)",
-                    stacklevel=2,
-                )
-                _state["mod"] = None
-        return _state["mod"]
+    return build(
+        "attention_cpu",
+        SOURCE,
+        "using PyTorch's attention: greedy speculative output in bfloat16/int4 may then differ from plain decoding at near-ties",
+    )
 
 
 def available() -> bool:

@@ -1,5 +1,6 @@
-"""Quantised targets (adaflash.quant): Q4_1 blocks repacked for PyTorch's CPU int4 kernel, the int8
-per-channel kernel, both against a plain dequantised-weight matmul, and a tiny GGUF end to end."""
+"""Quantised targets (adaflash.quant): Q4_1 blocks repacked for PyTorch's CPU int4 kernel and for our
+q4 kernel (int8-rounded inputs, row-invariant), the int8 per-channel kernel, each against a plain
+PyTorch reference, and a tiny GGUF end to end."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import greedy_reference, tiny_target
+from adaflash.kernels import q4_cpu
+from conftest import greedy_reference, tiny_drafter, tiny_target
 
-from adaflash.quant import GROUP, Int4Linear, Int8Linear, q4_1_pack, q4_1_unpack, quantise_target, rope_rows, weight_format
+from adaflash.quant import GROUP, Int4Linear, Int8Linear, Q4Linear, q4_1_pack, q4_1_unpack, quantise_target, rope_rows, weight_format
 from adaflash.target import load_target, resolve_dtype, resolve_target_dtype
 
 
@@ -106,6 +108,47 @@ def write_tiny_gguf(path, model) -> dict[str, torch.Tensor]:
     return values
 
 
+needs_q4 = pytest.mark.skipif(q4_cpu.load() is None, reason="the q4 kernel did not build here (no C++ compiler)")
+
+
+@needs_q4
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_q4_kernel_is_its_plain_pytorch_reference_bit_for_bit(rows):
+    """The kernel (VNNI or the portable loop, whichever this CPU built) does exactly the reference's
+    float operations: integer dot products, then per group t = dots * dx, acc += d * t, acc += m * sx."""
+    rng = np.random.default_rng(rows)
+    q, d, m = (torch.from_numpy(a) for a in q4_1_unpack(q4_1_blocks(rng.normal(size=(48, 160)))))
+    lin = Q4Linear(q, d, m)
+    x = torch.randn(rows, 160) * torch.logspace(-2, 1, rows)[:, None]
+    x[0, :32] = 0.0  # an all-zero input group: step 0, no division by zero
+    ref = q4_cpu.reference(x, q.float(), d.float(), m.float())  # [rows, 48]
+    assert torch.equal(lin(x), ref)
+    w = torch.from_numpy(file_values(q4_1_pack(q.numpy(), d.numpy(), m.numpy())))  # the file's weights
+    torch.testing.assert_close(lin(x), x @ w.T, atol=0.02 * float((x @ w.T).abs().max()), rtol=0)  # int8 inputs: ~0.5% off
+    assert lin(x.bfloat16()).dtype == torch.bfloat16
+
+
+@needs_q4
+def test_q4_kernel_rows_are_their_own():
+    """A row gives the same bits alone, among 1-12 others (every tile remainder) and on 1 or 2 threads:
+    what makes greedy verification of a block equal to decoding its tokens one by one."""
+    rng = np.random.default_rng(7)
+    q, d, m = (torch.from_numpy(a) for a in q4_1_unpack(q4_1_blocks(rng.normal(size=(64, 96)))))
+    lin = Q4Linear(q, d, m)
+    x = torch.randn(13, 96)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(13)])
+    for n in range(2, 14):
+        assert torch.equal(lin(x[:n]), alone[:n]), n
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="outputs in 16s"):
+        Q4Linear(q[:40], d[:40], m[:40])
+
+
 def test_int4_target_from_gguf_blocks(tmp_path):
     model = tiny_target(vocab=96, std=0.2)
     values = write_tiny_gguf(tmp_path / "tiny.gguf", model)
@@ -122,6 +165,34 @@ def test_int4_target_from_gguf_blocks(tmp_path):
     assert greedy_reference(quant, [3, 17, 42, 8], 24, []) == greedy_reference(model, [3, 17, 42, 8], 24, [])
     with pytest.raises(ValueError, match="Q4_1 blocks"):
         quantise_target(tiny_target(vocab=96), "int4")
+
+
+@needs_q4
+def test_q4_target_from_gguf_blocks_is_greedy_lossless(tmp_path):
+    """The q4 target multiplies with the same Q4_1 blocks (bf16 activations, inputs rounded to int8 per 32):
+    close to the float target, and greedy speculation (chain, tree, a batch) equals its own plain decoding."""
+    from adaflash.engine import Engine, FixedPolicy, Request, single_request_engine
+
+    model = tiny_target(vocab=96, std=0.2, head_dim=32)  # a head dim the row-invariant attention kernel takes
+    values = write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    for path, w in values.items():
+        model.get_submodule(path).weight.copy_(w)
+    quant = copy.deepcopy(model).to(torch.bfloat16)
+    info = quantise_target(quant, "q4", tmp_path / "tiny.gguf")
+    assert info["format"] == "q4" and info["converted"] == 4 * 7 and weight_format(quant) == "q4"
+    ids = torch.tensor([[3, 17, 42, 8, 61, 5]])
+    ref = model(ids, model.new_cache())[0]
+    torch.testing.assert_close(
+        quant(ids, quant.new_cache())[0].float(), ref, atol=0.1 * float(ref.abs().max()), rtol=0
+    )  # bf16, int8 inputs
+    drafter = tiny_drafter(quant).to(torch.bfloat16)
+    prompts = [[3, 17, 42, 8], [5, 9, 11, 30, 2, 2], [60, 1]]
+    refs = [greedy_reference(quant, p, 24, []) for p in prompts]
+    for p, ar in zip(prompts, refs):
+        for kw in ({"verify_len": 5}, {"tree": 6, "lookup": 4}):
+            assert single_request_engine(quant, drafter, [], **kw).generate(p, 24).out == ar
+    states = Engine(quant, drafter, FixedPolicy(4), eos_ids=[], max_batch=3).run([Request(f"r{i}", p, 24) for i, p in enumerate(prompts)])
+    assert [s.out for s in states] == refs
 
 
 def test_target_dtype_names(tiny_hf_dir):

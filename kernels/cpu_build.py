@@ -1,0 +1,61 @@
+"""Build a C++ CPU kernel of this package once per machine and cache it (the twin of every kernel's `load`).
+
+Compiled with torch's cpp_extension and the system's g++ (``-O3 -march=native -ffp-contract=off``: the
+compiler fuses no multiply-add, so an operation gives the same bits in a vector or alone; ``-fopenmp``,
+without which at::parallel_for runs on one thread) into
+~/.cache/adaflash/kernels/<name>-<hash of source, torch version and CPU flags> (or $ADAFLASH_KERNEL_CACHE).
+Where the build fails (no compiler) the caller gets None and a warning that says what to install.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from platformdirs import user_cache_dir
+
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]  # -fopenmp: at::parallel_for runs threads
+_lock = threading.Lock()
+_built: dict[str, object] = {}
+
+
+def _build_dir(name: str, source: Path) -> Path:
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + flags.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    base = os.environ.get("ADAFLASH_KERNEL_CACHE") or Path(user_cache_dir("adaflash")) / "kernels"
+    root = Path(base) / f"{name}-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def build(name: str, source: Path, fallback: str):
+    """The compiled extension `name` from `source`, or None with a warning naming `fallback` (what the
+    caller does instead); built once per process, cached across processes."""
+    with _lock:
+        if name not in _built:
+            try:
+                from torch.utils.cpp_extension import load as cpp_load
+
+                _built[name] = cpp_load(
+                    name=f"adaflash_{name}",
+                    sources=[str(source)],
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(_build_dir(name, source)),
+                    verbose=False,
+                )
+            except Exception as e:  # no compiler, no ninja, a failed build
+                warnings.warn(
+                    f"CPU kernel {name} not built ({type(e).__name__}: {str(e)[:300]}); {fallback} "
+                    "(install a C++ compiler, e.g. apt install g++, to build it)",
+                    stacklevel=3,
+                )
+                _built[name] = None
+        return _built[name]
