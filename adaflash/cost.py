@@ -336,6 +336,7 @@ def machine_key(target, drafter) -> dict:
             proc = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
         except (OSError, StopIteration):
             pass
+    from adaflash.kernels.cpu_build import signature
     from adaflash.quant import weight_format
     from adaflash.target import fingerprint
 
@@ -345,6 +346,7 @@ def machine_key(target, drafter) -> dict:
         "torch": torch.__version__,
         "attention": "kv-pool",  # the engine's attention (ragged over one KV pool since issue 21): its step costs differ
         "rows": "forward",  # calibrations since the row staircase (time_rows) is timed on whole forwards
+        "kernels": signature(),  # the C++ kernels' sources and flags: other kernels, other step costs
         "target": fingerprint(target),
         "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",

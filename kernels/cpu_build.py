@@ -35,6 +35,15 @@ def _build_dir(name: str, source: Path) -> Path:
     return root
 
 
+def signature() -> str:
+    """A short hash of every kernel source and the build flags: cached step costs measured with other
+    kernels (adaflash/cost.py) are stale."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for src in sorted(Path(__file__).parent.glob("*.cpp")):
+        digest.update(src.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def build(name: str, source: Path, fallback: str):
     """The compiled extension `name` from `source`, or None with a warning naming `fallback` (what the
     caller does instead); built once per process, cached across processes."""
