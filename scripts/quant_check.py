@@ -5,6 +5,9 @@
       dtype, best of 7 (3 for 128 rows): total ms (the 210 projections alone + the LM head alone)
   python scripts/quant_check.py compare A.jsonl B.jsonl
       two `adaflash generate --json` outputs of the same prompts: identical prompts, first divergences
+  python scripts/quant_check.py nll PROMPTS.jsonl OUT.jsonl [OUT.jsonl ...]
+      how likely the float32 target finds each `adaflash generate --json` output (another dtype's greedy
+      text): mean negative log-likelihood per token, and the share of tokens that are its own greedy pick
   python scripts/quant_check.py dqref PROMPTS.jsonl [MAX_NEW]
       int4 (bf16 activations) vs its dequantised reference: a bfloat16 SmolLM2 whose projection
       weights are the int4 kernel's own (Int4Linear.dequantised()), plain greedy through the engine
@@ -78,6 +81,26 @@ def compare(path_a: str, path_b: str) -> None:
 
 
 @torch.no_grad()
+def nll(prompts: str, outputs: list[str]) -> None:
+    from adaflash.target import load_target
+
+    target = load_target("smollm2", "float32")
+    messages = [json.loads(line)["messages"] for line in open(prompts) if line.strip()]
+    for path in outputs:
+        total, n, agree = 0.0, 0, 0
+        for row in (json.loads(line) for line in open(path) if line.strip()):
+            prompt, out = target.encode_chat(messages[row["index"]]), row["output_ids"]
+            ids = torch.tensor([prompt + out])  # [1, P + T]
+            logits, _ = target.model(ids, target.model.new_cache(1, ids.shape[1]))
+            logp = logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)  # [T, V] predicting each output token
+            tokens = torch.tensor(out)
+            total -= float(logp.gather(1, tokens[:, None]).sum())
+            agree += int((logp.argmax(-1) == tokens).sum())
+            n += len(out)
+        print(f"{path}: {total / n:.3f} nats/token under the float32 target; its greedy pick at {agree / n:.1%} of tokens")
+
+
+@torch.no_grad()
 def dqref(prompts: str, max_new: int) -> None:
     from adaflash.engine import single_request_engine
     from adaflash.quant import Int4Linear
@@ -105,6 +128,8 @@ if __name__ == "__main__":
         forward(rest[0].split(","))
     elif cmd == "compare":
         compare(*rest)
+    elif cmd == "nll":
+        nll(rest[0], rest[1:])
     elif cmd == "dqref":
         dqref(rest[0], int(rest[1]) if len(rest) > 1 else 64)
     else:

@@ -20,7 +20,7 @@ class ModelSection:
     name: str = "smollm2"  # model id clients send in "model" and /v1/models lists
     aliases: list[str] = field(default_factory=lambda: ["adaflash"])  # other accepted "model" values
     target: str = "smollm2"  # 'smollm2' (packaged GGUF), a .gguf file or an HF model directory
-    dtype: str = "float32"  # target dtype: float32, or bfloat16 / int4 where the CPU runs bf16 fast (lossless too: the guide)
+    dtype: str = "float32"  # target dtype: float32, or bfloat16 / int4 / q4 where the CPU runs them fast (lossless too: the guide)
     drafter: str = str(DEFAULT_DRAFTER)  # drafter directory (config.json + model.safetensors [+ length head])
     drafter_dtype: str = "auto"  # auto: bf16 where this CPU runs it fast
     drafter_version: str = "0"  # version label of the initial drafter (the registry's after a hot-swap)

@@ -69,7 +69,8 @@ def test_int8_linear_matches_dequantised_matmul(dtype):
     assert (step <= w.abs().amax(1, keepdim=True) / 125).all()  # at least 125 of the 127 steps used
     x = torch.randn(7, 96).to(dtype)
     ref = x.float() @ lin.dequantised().T
-    tol = 1e-5 if dtype == torch.float32 else 2**-7 * float(ref.abs().max())
+    # float32: a few ulps of the largest output (MKL's reference sums in an order that can vary between runs)
+    tol = (2**-20 if dtype == torch.float32 else 2**-7) * float(ref.abs().max())
     torch.testing.assert_close(lin(x).float(), ref, atol=tol, rtol=0)
 
 
