@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adaflash.kernels import norm_rope_cpu
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -19,6 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm_rope_cpu.usable(x, self.weight):
+            return norm_rope_cpu.load().rms_norm(x, self.weight, self.eps)  # one call (CPU inference)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -37,6 +41,13 @@ class Rotary(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+
+
+def rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D] (a projection's heads); cos/sin: [B, 1, T, D] -> rotated [B, H, T, D]."""
+    if norm_rope_cpu.usable(x, cos, sin):
+        return norm_rope_cpu.load().rope(x, cos, sin).transpose(1, 2)  # one call (CPU inference), PyTorch's bits
+    return apply_rotary(x.transpose(1, 2), cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,7 +154,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        return rotary_heads(q, cos, sin)  # [B, H, T, D]
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
@@ -151,7 +162,7 @@ class Attention(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        return apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)  # [B, Hkv, T, D] each
+        return rotary_heads(k, cos, sin), v.transpose(1, 2)  # [B, Hkv, T, D] each
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention + output projection -> [B, T, hidden]."""
