@@ -177,7 +177,7 @@ class Attention(nn.Module):
         which builds and caches a primitive (~0.3 MB, two caches of 1,024 entries) for every new key
         length, and a decoding context has a new one every step, so the server's memory crept up with
         entries never used again (and each step paid the JIT); float32 matmul is MKL's, uncached. The
-        KV caches of such a model are float32 already (`kvcache.kv_dtype`); the output has q's dtype."""
+        KV caches of such a model are float32 unless the kernel attends (`kvcache.kv_dtype`); the output has q's dtype."""
         out_dtype = q.dtype
         if out_dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled():
             q, k, v = q.float(), k.float(), v.float()

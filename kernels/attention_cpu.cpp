@@ -33,6 +33,17 @@ inline v16 load(const float* p) {
   return x;
 }
 
+// 16 bfloat16 K/V values widened to float32: exact, so bfloat16 K/V give the bits float32 copies of them give
+inline v16 load(const at::BFloat16* p) {
+  typedef uint16_t h16 __attribute__((vector_size(32)));
+  h16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const i16 bits = __builtin_convertvector(h, i16) << 16;
+  v16 x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
 
 inline float hsum(v16 x) {  // (lanes 0-7 + 8-15), then halves again: a fixed order
@@ -63,18 +74,21 @@ inline v16 exp16(v16 v) {
 }
 
 // q . k on 16 lanes over the head dim (lane l sums dims l, l + 16, ... in order)
-inline v16 products(const float* q, const float* k, int64_t d) {
+template <typename T>
+inline v16 products(const float* q, const T* k, int64_t d) {
   v16 acc = load(q) * load(k);
   for (int64_t x = 16; x < d; x += 16) acc = acc + load(q + x) * load(k + x);
   return acc;
 }
 
-inline float score(const float* q, const float* k, int64_t d, float sc) { return hsum(products(q, k, d)) * sc; }
+template <typename T>
+inline float score(const float* q, const T* k, int64_t d, float sc) { return hsum(products(q, k, d)) * sc; }
 
 #define SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 // 16 scores of keys k[0..16) for one query: each the same operations as score(), its halving sum
 // done for 16 keys at once by shuffles
-inline v16 score16(const float* q, const float* const* k, int64_t d, float sc) {
+template <typename T>
+inline v16 score16(const float* q, const T* const* k, int64_t d, float sc) {
   v16 A[16];
   for (int j = 0; j < 16; ++j) A[j] = products(q, k[j], d);
   v16 P[8], Q[4], R[2];
@@ -96,14 +110,14 @@ inline v16 score16(const float* q, const float* const* k, int64_t d, float sc) {
 // then over the query's block slots, in that order) / sum_q, with w_q = s + q * width (softmax weights)
 // and the block slots blk + q * n (len[q] of them). The G queries share each context V row as it is
 // read; every query's sums run in the same order whatever G is.
-template <int NV, int G>
-void weighted_values(int64_t q0, const float* s, int64_t width, const float* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
+template <int NV, int G, typename T>
+void weighted_values(int64_t q0, const float* s, int64_t width, const T* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
                      int64_t n, const int64_t* len, int64_t d, const float* sums, float* op, const int64_t* qo) {
   v16 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int x = 0; x < NV; ++x) acc[g][x] = v16{};
   for (int64_t c = 0; c < nc; ++c) {
-    const float* vr = vb + static_cast<int64_t>(cs[c]) * d;
+    const T* vr = vb + static_cast<int64_t>(cs[c]) * d;
     v16 v[NV];
     for (int x = 0; x < NV; ++x) v[x] = load(vr + 16 * x);
     for (int g = 0; g < G; ++g) {
@@ -114,7 +128,7 @@ void weighted_values(int64_t q0, const float* s, int64_t width, const float* vb,
   for (int g = 0; g < G; ++g) {
     const int64_t qi = q0 + g;
     for (int64_t c = 0; c < len[qi]; ++c) {
-      const float* vr = vb + static_cast<int64_t>(blk[qi * n + c]) * d;
+      const T* vr = vb + static_cast<int64_t>(blk[qi * n + c]) * d;
       const float wc = s[qi * width + nc + c];
       for (int x = 0; x < NV; ++x) acc[g][x] = acc[g][x] + wc * load(vr + 16 * x);
     }
@@ -124,12 +138,12 @@ void weighted_values(int64_t q0, const float* s, int64_t width, const float* vb,
 }
 
 // All queries of an item in groups of G (G * NV accumulators stay in registers), the rest one by one.
-template <int NV, int G>
-void values_all(int64_t nq, const float* s, int64_t width, const float* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
+template <int NV, int G, typename T>
+void values_all(int64_t nq, const float* s, int64_t width, const T* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
                 int64_t n, const int64_t* len, int64_t d, const float* sums, float* op, const int64_t* qo) {
   int64_t q0 = 0;
-  for (; q0 + G <= nq; q0 += G) weighted_values<NV, G>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
-  for (; q0 < nq; ++q0) weighted_values<NV, 1>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
+  for (; q0 + G <= nq; q0 += G) weighted_values<NV, G, T>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
+  for (; q0 < nq; ++q0) weighted_values<NV, 1, T>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
 }
 
 // s[0..m) <- exp(s - max s), zero up to the next multiple of 16; -> their sum (lanes fixed by the key index)
@@ -171,29 +185,16 @@ std::vector<torch::Tensor> context_slots(torch::Tensor valid, torch::Tensor req)
   return {out, offsets};
 }
 
-// q [N, Hq, D] f32; pk, pv [R, Hkv, C, D] f32; req [B, 6] int64 per request: (pool row, block start a,
-// block length n, first packed query, mode, tree offset), mode 0 = causal, 1 = the whole block, 2 = tree
-// (trees[off + i * n + j]: query i sees block key j); ctx, ctx_off: context_slots(). A query sees its
-// request's context slots, then its block keys. -> [N, Hq, D] f32.
-torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor pv, torch::Tensor req, torch::Tensor trees,
-                               torch::Tensor ctx, torch::Tensor ctx_off, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && pk.scalar_type() == torch::kFloat && pv.scalar_type() == torch::kFloat,
-              "ragged_attention: q, k and v must be float32");
-  TORCH_CHECK(q.is_contiguous() && pk.is_contiguous() && pv.is_contiguous() && req.is_contiguous() && trees.is_contiguous() &&
-                  ctx.is_contiguous() && ctx_off.is_contiguous(),
-              "ragged_attention: inputs must be contiguous");
-  TORCH_CHECK(trees.scalar_type() == torch::kBool && req.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kInt &&
-                  ctx_off.scalar_type() == torch::kLong,
-              "ragged_attention: trees bool, req int64, ctx int32, ctx_off int64");
-  const int64_t hq = q.size(1), d = q.size(2), hkv = pk.size(1), cap = pk.size(2), n_req = req.size(0);
-  TORCH_CHECK((d == 32 || d == 64 || d == 128) && pk.size(3) == d && hq % hkv == 0, "ragged_attention: head dim must be 32, 64 or 128");
+// the attention of ragged_attention over K/V stored as T (float or bfloat16) into op [N, Hq, D]
+template <typename T>
+void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::Tensor& req, const torch::Tensor& trees,
+                const torch::Tensor& ctx, const torch::Tensor& ctx_off, double scale, int64_t hkv, int64_t cap, float* op) {
+  const int64_t hq = q.size(1), d = q.size(2), n_req = req.size(0);
   const int64_t rep = hq / hkv;
-  auto out = torch::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = pk.data_ptr<float>(), *vp = pv.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   const int64_t *rq = req.data_ptr<int64_t>(), *coff = ctx_off.data_ptr<int64_t>();
   const int32_t* cslots = ctx.data_ptr<int32_t>();
   const bool* treep = trees.numel() ? trees.data_ptr<bool>() : nullptr;
-  float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // work items: chunks of `per` queries of one (request, kv head), queries ordered (token, query head); the
   // queries of an item share each context K/V row as it is read (their sums stay in key order)
@@ -215,8 +216,8 @@ torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor 
                     toff = rq[b * 6 + 5];
       const int32_t* cs = cslots + coff[b];
       const int64_t nc = coff[b + 1] - coff[b], width = (nc + n + 15) / 16 * 16;
-      const float* kb = kp + (row * hkv + h) * cap * d;
-      const float* vb = vp + (row * hkv + h) * cap * d;
+      const T* kb = kp + (row * hkv + h) * cap * d;
+      const T* vb = vp + (row * hkv + h) * cap * d;
       qo.resize(nq);
       for (int64_t qi = 0; qi < nq; ++qi) qo[qi] = ((first + (q0 + qi) / rep) * hq + h * rep + (q0 + qi) % rep) * d;
       s.resize(nq * width);
@@ -224,7 +225,7 @@ torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor 
       len.resize(nq);
       int64_t c0 = 0;
       for (; c0 + 16 <= nc; c0 += 16) {  // context scores, 16 keys at a time for every query of the item
-        const float* kr[16];
+        const T* kr[16];
         for (int j = 0; j < 16; ++j) kr[j] = kb + static_cast<int64_t>(cs[c0 + j]) * d;
         for (int64_t qi = 0; qi < nq; ++qi) store(s.data() + qi * width + c0, score16(qp + qo[qi], kr, d, sc));
       }
@@ -249,6 +250,30 @@ torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor 
       }
     }
   });
+}
+
+// q [N, Hq, D] f32; pk, pv [R, Hkv, C, D] f32 or bf16; req [B, 6] int64 per request: (pool row, block start a,
+// block length n, first packed query, mode, tree offset), mode 0 = causal, 1 = the whole block, 2 = tree
+// (trees[off + i * n + j]: query i sees block key j); ctx, ctx_off: context_slots(). A query sees its
+// request's context slots, then its block keys. -> [N, Hq, D] f32.
+torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor pv, torch::Tensor req, torch::Tensor trees,
+                               torch::Tensor ctx, torch::Tensor ctx_off, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && pv.scalar_type() == pk.scalar_type() &&
+                  (pk.scalar_type() == torch::kFloat || pk.scalar_type() == torch::kBFloat16),
+              "ragged_attention: q must be float32, k and v both float32 or both bfloat16");
+  TORCH_CHECK(q.is_contiguous() && pk.is_contiguous() && pv.is_contiguous() && req.is_contiguous() && trees.is_contiguous() &&
+                  ctx.is_contiguous() && ctx_off.is_contiguous(),
+              "ragged_attention: inputs must be contiguous");
+  TORCH_CHECK(trees.scalar_type() == torch::kBool && req.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kInt &&
+                  ctx_off.scalar_type() == torch::kLong,
+              "ragged_attention: trees bool, req int64, ctx int32, ctx_off int64");
+  const int64_t hq = q.size(1), d = q.size(2), hkv = pk.size(1), cap = pk.size(2);
+  TORCH_CHECK((d == 32 || d == 64 || d == 128) && pk.size(3) == d && hq % hkv == 0, "ragged_attention: head dim must be 32, 64 or 128");
+  auto out = torch::empty_like(q);
+  if (pk.scalar_type() == torch::kBFloat16)
+    attend_all(q, pk.data_ptr<at::BFloat16>(), pv.data_ptr<at::BFloat16>(), req, trees, ctx, ctx_off, scale, hkv, cap, out.data_ptr<float>());
+  else
+    attend_all(q, pk.data_ptr<float>(), pv.data_ptr<float>(), req, trees, ctx, ctx_off, scale, hkv, cap, out.data_ptr<float>());
   return out;
 }
 

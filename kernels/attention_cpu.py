@@ -50,8 +50,8 @@ def context_slots(valid: torch.Tensor, req: torch.Tensor) -> tuple[torch.Tensor,
 
 def ragged_attention(
     q: torch.Tensor,  # [N, Hq, D] the packed queries (RoPE applied), any float dtype
-    pk: torch.Tensor,  # [R, Hkv, C, D] float32: one layer's K of the pool
-    pv: torch.Tensor,  # [R, Hkv, C, D] float32
+    pk: torch.Tensor,  # [R, Hkv, C, D] float32 or bfloat16: one layer's K of the pool
+    pv: torch.Tensor,  # [R, Hkv, C, D] as pk
     req: torch.Tensor,  # [B, 6] int64: (row, block start, block length, first packed query, mode, tree offset)
     trees: torch.Tensor,  # [T] bool: the tree requests' [n, n] ancestor masks, flattened (empty if none)
     ctx: tuple[torch.Tensor, torch.Tensor],  # context_slots(valid, req)

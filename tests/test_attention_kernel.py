@@ -41,6 +41,8 @@ def test_kernel_matches_plain_pytorch(d, hq, hkv):
     out = call(q, pk, pv, valid, req, tree.flatten())
     ref = A.reference(q, pk, pv, valid, torch.tensor(req), tree.flatten())
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    # bfloat16 K/V (a bf16 model's pool) widen exactly: the bits of their float32 copies
+    assert torch.equal(call(q, pk.bfloat16(), pv.bfloat16(), valid, req, tree.flatten()), out)
 
 
 def test_a_query_has_the_same_bits_in_any_block_tree_batch_or_thread_count():

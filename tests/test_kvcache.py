@@ -106,16 +106,23 @@ def test_caches_of_two_models_do_not_mix():
         Ragged([a.new_cache(1), b.new_cache(1)], [0, 0], [1, 1])
 
 
-def test_bf16_models_keep_float32_kv_on_a_cpu():
-    """A bf16 model's caches are float32 on a CPU (attention multiplies in float32 there, so K/V are
-    converted once, when written); a bf16 target's ragged forward still matches its forward on a plain
-    cache, and a bf16 drafter drafts from the same pool dtype."""
-    assert kv_dtype(torch.bfloat16, "cpu") == torch.float32 and kv_dtype(torch.float32, "cpu") == torch.float32
-    assert kv_dtype(torch.bfloat16, "cuda") == torch.bfloat16
-    model = tiny_target(4).to(torch.bfloat16)
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_bf16_models_kv_dtype_on_a_cpu(head_dim):
+    """A bf16 model keeps bf16 K/V on a CPU where the row-invariant kernel attends (head dims 32/64/128:
+    it widens them exactly), float32 where PyTorch's attention would convert them every layer (head dim
+    16 here); a bf16 target's ragged forward still matches its forward on a plain cache, and a bf16
+    drafter drafts from the same pool dtype."""
+    from adaflash.kernels import attention_cpu
+
+    kernel = head_dim == 32 and attention_cpu.available()
+    expected = torch.bfloat16 if kernel else torch.float32
+    assert kv_dtype(torch.bfloat16, "cpu", head_dim) == expected and kv_dtype(torch.float32, "cpu", head_dim) == torch.float32
+    assert kv_dtype(torch.bfloat16, "cuda", head_dim) == torch.bfloat16 and kv_dtype(torch.float16, "cpu", 32) == torch.float32
+    model = tiny_target(4, head_dim=head_dim).to(torch.bfloat16)
     drafter = tiny_drafter(model).to(torch.bfloat16)
     pooled, ref = model.new_cache(1, 8), model.new_cache(2, 32)
-    assert pooled.k[0].dtype == ref.k[0].dtype == drafter.new_cache(1, 8).k[0].dtype == torch.float32
+    assert pooled.k[0].dtype == ref.k[0].dtype == expected
+    assert drafter.new_cache(1, 8).k[0].dtype == kv_dtype(torch.bfloat16, "cpu", drafter.config.head_dim)
     prompt = torch.randint(0, 64, (7,))
     model.forward_packed([prompt], [pooled], logits_last_only=True)
     model(prompt[None].expand(2, -1), ref)
