@@ -1,6 +1,6 @@
 """Weight-only quantised Linear layers for the target on CPU: fewer weight bytes read per step.
 
-Two formats, each on one of PyTorch's CPU weight-only kernels:
+Three formats, two on PyTorch's CPU weight-only kernels and one on ours:
 - int4 (`_weight_int4pack_mm_for_cpu`, asymmetric, groups of 32 along the input): rebuilt from the
   GGUF's own Q4_1 blocks (4-bit q, fp16 scale d and minimum m per 32 weights, w = d*q + m), so the
   values are the file's and not a re-quantisation of the float copy. The kernel computes
@@ -12,8 +12,8 @@ Two formats, each on one of PyTorch's CPU weight-only kernels:
   Tensors of another GGUF type (SmolLM2's Q8_0 embedding, tied to the LM head) stay in float.
 - q4 (kernels/q4_cpu.py, our kernel): the same Q4_1 blocks times int8-quantised activations (one step
   per row and 32 inputs), in integer dot products (AVX-512 VNNI where the CPU has it): llama.cpp's
-  arithmetic for this file. Row-invariant by construction, and faster than the int4 kernel from 4 rows
-  on (it unpacks each weight group once per 4 rows); the activations' rounding makes it another model
+  arithmetic for this file. Row-invariant by construction, and faster than the int4 kernel at every row
+  count measured (it unpacks each weight group once per 4 rows); the activations' rounding makes it another model
   than the float one, with its own plain decoding as the greedy reference.
 - int8 (`_weight_int8pack_mm`, one scale per output channel): a symmetric re-quantisation of the
   float weights (round(w / s), s ~ max|w| / 127), so the weights differ from the file's (any target).
