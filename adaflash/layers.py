@@ -110,11 +110,14 @@ class Linear(nn.Linear):
 
 def prepack(*modules: nn.Module) -> None:
     """Build the packed inference weights of every CPU `Linear` now, where the load happens (a
-    drafter loaded by the hot-swap thread), not in the first engine step that uses them."""
+    drafter loaded by the hot-swap thread), not in the first engine step that uses them; likewise the
+    norm/rotary kernel (compiled once per machine, 30-40 s) for a model with CPU norms."""
     for module in modules:
         for m in module.modules():
             if isinstance(m, Linear) and m._packs():
                 m._packed()
+            elif isinstance(m, RMSNorm) and m.weight.device.type == "cpu":
+                norm_rope_cpu.load()
 
 
 def frozen_linear(weight: torch.Tensor) -> Linear:
