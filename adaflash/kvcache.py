@@ -21,17 +21,17 @@ from adaflash.kernels import attention_cpu
 
 
 def kv_dtype(dtype: torch.dtype, device: torch.device | str | None, head_dim: int | None = None) -> torch.dtype:
-    """What K/V are stored in for a model of `dtype`. On a CPU attention multiplies in float32: the
+    """What K/V are stored in for a model of `dtype`. On a CPU attention multiplies in float32. The
     row-invariant kernel reads bfloat16 K/V as they are (widening is exact, so the bits are those of
-    float32 copies; a step reads half the K/V bytes and the pool takes half the memory: 32 requests of 300
-    tokens attended in 22.2 ms a SmolLM2 step instead of 25.8), so a bf16 model whose head dim the
-    kernel takes keeps them in bf16. Elsewhere
-    (float16, no kernel) K/V are float32, converted once as they are written instead of every layer's
-    whole context on every step by `Attention.attend_heads` (14% of a bf16 step at concurrency 32)."""
+    float32 copies; a step reads half the K/V bytes and the pool takes half the memory: 32 requests of
+    300 tokens attended in 22.2 ms a SmolLM2 step instead of 25.8), so a bf16 model whose head dim the
+    kernel takes keeps them in bf16. Elsewhere (float16, no kernel) K/V are float32, converted once as
+    they are written instead of every layer's whole context on every step by `Attention.attend_heads`
+    (14% of a bf16 step at concurrency 32)."""
     cpu = device is None or torch.device(device).type == "cpu"
     if not cpu or dtype not in (torch.bfloat16, torch.float16):
         return dtype
-    kernel = dtype == torch.bfloat16 and head_dim in (32, 64, 128) and attention_cpu.available()
+    kernel = dtype == torch.bfloat16 and head_dim in attention_cpu.HEAD_DIMS and attention_cpu.available()
     return torch.bfloat16 if kernel else torch.float32
 
 
@@ -42,7 +42,7 @@ def invariant_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) ->
     return (
         torch.device(device).type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
-        and head_dim in (32, 64, 128)
+        and head_dim in attention_cpu.HEAD_DIMS
         and not torch.is_grad_enabled()
         and attention_cpu.available()
     )

@@ -21,8 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if norm_rope_cpu.usable(x, self.weight):
-            return norm_rope_cpu.load().rms_norm(x, self.weight, self.eps)  # one call (CPU inference)
+        if (kernel := norm_rope_cpu.kernel(x, self.weight)) is not None:
+            return kernel.rms_norm(x, self.weight, self.eps)  # one call (CPU inference)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -45,8 +45,8 @@ class Rotary(nn.Module):
 
 def rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, T, H, D] (a projection's heads); cos/sin: [B, 1, T, D] -> rotated [B, H, T, D]."""
-    if norm_rope_cpu.usable(x, cos, sin):
-        return norm_rope_cpu.load().rope(x, cos, sin).transpose(1, 2)  # one call (CPU inference), PyTorch's bits
+    if (kernel := norm_rope_cpu.kernel(x, cos, sin)) is not None:
+        return kernel.rope(x, cos, sin).transpose(1, 2)  # one call (CPU inference), PyTorch's bits
     return apply_rotary(x.transpose(1, 2), cos, sin)
 
 

@@ -104,14 +104,15 @@ class Q4Linear(nn.Module):
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         super().__init__()
-        if q4_cpu.load() is None:
+        kernel = q4_cpu.load()
+        if kernel is None:
             raise RuntimeError("the q4 kernel could not be built here (see the warning above): use int4, bfloat16 or float32")
         packed, dp, mp = q4_cpu.pack(q, d, m)
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.register_buffer("packed", packed)  # [N/16, K/32, 256] uint8
         self.register_buffer("d", dp)  # [N/16, K/32, 16] float32
         self.register_buffer("m", mp)
-        self._kernel = q4_cpu.load().q4_linear  # called directly: 210 calls a step, Python overhead counts
+        self._kernel = kernel.q4_linear  # called directly: 210 calls a step, Python overhead counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, self.packed, self.d, self.m)  # [..., N] in x's dtype

@@ -23,7 +23,7 @@ from adaflash.pipelines.prompts import read_prompts_file
 
 from adaflash.config import UsageError
 from adaflash.drafter import DEFAULT_DRAFTER
-from adaflash.target import TARGET_DTYPES, resolve_target_dtype
+from adaflash.target import TARGET_DTYPES
 
 CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
 CPU_TREE = 8  # the fastest greedy token tree (nodes) measured on a 2-core CPU (docs/benchmarks.md)
@@ -298,7 +298,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         threads = __import__("torch").get_num_threads()
         vllm = {"target_dir": stock_hf_dir(args.target), "drafter": drafter, "work_dir": Path(args.out) / "vllm", "threads": threads}
         # a quantised target is ours only: vLLM runs the float model in that target's activation dtype (bfloat16)
-        vllm["dtype"] = str(resolve_target_dtype(args.dtype)[0]).removeprefix("torch.")
+        vllm["dtype"] = str(target.model.dtype).removeprefix("torch.")
     rows = bench(
         target,
         drafter,

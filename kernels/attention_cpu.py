@@ -23,6 +23,7 @@ from adaflash.kernels.cpu_build import build
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 MODES = {"causal": 0, "full": 1, "tree": 2}
+HEAD_DIMS = (32, 64, 128)  # the head dims the kernel takes (its vector loops are 16 lanes wide, unrolled per size)
 CHUNK = 16  # block queries per work item (a prefill splits into chunks that run in parallel)
 
 

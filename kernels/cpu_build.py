@@ -46,7 +46,10 @@ def signature() -> str:
 
 def build(name: str, source: Path, fallback: str):
     """The compiled extension `name` from `source`, or None with a warning naming `fallback` (what the
-    caller does instead); built once per process, cached across processes."""
+    caller does instead); built once per process, cached across processes. Once built it is a dict
+    lookup: kernels are looked up on every norm, rotary and attention call of a step."""
+    if name in _built:
+        return _built[name]
     with _lock:
         if name not in _built:
             try:

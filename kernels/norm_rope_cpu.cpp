@@ -37,10 +37,9 @@ void norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps)
       }
       float tail = 0.0f;
       for (; e < d; ++e) tail = tail + static_cast<float>(xr[e]) * static_cast<float>(xr[e]);
-      float s = 0.0f;
       for (int width = 8; width >= 1; width /= 2)
         for (int j = 0; j < width; ++j) acc[j] = acc[j] + acc[j + width];
-      s = acc[0] + tail;
+      const float s = acc[0] + tail;
       const float inv = 1.0f / std::sqrt(s / static_cast<float>(d) + eps);
       for (int64_t i = 0; i < d; ++i) {
         const float xn = rnd<T>(static_cast<float>(xr[i]) * inv);

@@ -26,12 +26,9 @@ def load():
     return build("norm_rope_cpu", SOURCE, "using PyTorch's RMSNorm and rotary ops (same results, more time per step)")
 
 
-def usable(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether the kernels take this call: CPU inference without autograd, float32 or bfloat16."""
-    return (
-        not torch.is_grad_enabled()
-        and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and all(o.dtype == x.dtype for o in others)
-        and load() is not None
-    )
+def kernel(x: torch.Tensor, *others: torch.Tensor):
+    """The extension where it takes this call (CPU inference without autograd, float32 or bfloat16
+    tensors of one dtype), else None (PyTorch's ops)."""
+    if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load() if all(o.dtype == x.dtype for o in others) else None
