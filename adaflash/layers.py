@@ -64,6 +64,7 @@ def _mkldnn_dtypes() -> tuple[torch.dtype, ...]:
 
 
 PACKED_DTYPES = _mkldnn_dtypes()
+BF16_ROWS = 32  # rows per packed bfloat16 call (`Linear.forward`)
 
 
 class Linear(nn.Linear):
@@ -81,15 +82,24 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, in]
         if flat.shape[0] and self._packable(flat):
-            # one row goes through oneDNN's 2-row path: its 1-row kernel sums in another order for some shapes
-            # (SmolLM2's down_proj, in 1,536), so a token decoded alone got other last bits than the same token
-            # in a verify block; from 2 rows on (tested to 2,048) a row's result is its own. Same cost.
-            out = self._mm(flat.expand(2, -1).contiguous())[:1] if flat.shape[0] == 1 else self._mm(flat)
+            # bfloat16 goes in calls of at most 32 rows: on a CPU with AMX, oneDNN's sums for a call of more
+            # rows depend on where a row falls (1 to 37 of 40 rows got other bits than alone, by shape); up to
+            # 32 rows a row is its own there too, and such a call costs about what one row does.
+            rows = flat.shape[0]
+            if rows <= BF16_ROWS or flat.dtype != torch.bfloat16:
+                out = self._mm(flat)
+            else:
+                out = torch.cat([self._mm(flat[i : i + BF16_ROWS]) for i in range(0, rows, BF16_ROWS)])
         else:
             out = F.linear(flat, self.weight, self.bias)
         return out.view(*x.shape[:-1], out.shape[-1])  # [..., out]
 
     def _mm(self, flat: torch.Tensor) -> torch.Tensor:
+        # one row goes through oneDNN's 2-row path: its 1-row kernel sums in another order for some shapes
+        # (SmolLM2's down_proj, in 1,536), so a token decoded alone got other last bits than the same token
+        # in a verify block; from 2 rows on a row's result is its own. Same cost.
+        if flat.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(flat.expand(2, -1).contiguous(), self._packed(), self.bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(flat, self._packed(), self.bias, "none", [], "")
 
     def _packable(self, x: torch.Tensor) -> bool:
