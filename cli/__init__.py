@@ -219,7 +219,17 @@ def _shift_args(args: argparse.Namespace, methods: list[str], concurrency: list[
 def cmd_bench(args: argparse.Namespace) -> int:
     import platform
 
-    from adaflash.pipelines.bench import ENGINE_METHODS, HF_METHODS, VLLM_METHODS, bench, is_vllm, known_method, split_method, write_bench
+    from adaflash.pipelines.bench import (
+        ENGINE_METHODS,
+        HF_METHODS,
+        VLLM_METHODS,
+        bench,
+        is_peer,
+        is_vllm,
+        known_method,
+        split_method,
+        write_bench,
+    )
 
     from adaflash.drafter import load_drafter_and_head
     from adaflash.target import load_target
@@ -242,6 +252,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.interleave and any(split_method(m)[2] or is_vllm(m) for m in methods):
         raise UsageError(
             "--interleave runs engine methods side by side: not with -fullvocab (it switches the shared drafter) or vllm peers"
+        )
+    if args.steady and (args.min_requests <= max(concurrency) or any(is_peer(m) for m in methods)):
+        raise UsageError(
+            f"--steady needs --min-requests above the highest concurrency {max(concurrency)} (e.g. "
+            f"{4 * max(concurrency)}; got {args.min_requests}) and engine methods only (peers: "
+            f"{[m for m in methods if is_peer(m)] or 'none'})"
         )
     shift = _shift_args(args, methods, concurrency)
     target = load_target(args.target, args.dtype)
@@ -268,6 +284,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "lookup_len": args.lookup_len,
         "lookup_min_ngram": args.lookup_min_ngram,
         "interleave": args.interleave,
+        "steady": args.steady,
     }
     if shift:
         from adaflash.pipelines.bench import shift_bench, write_shift
@@ -316,6 +333,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         vllm,
         on_cell=lambda done: write_bench(done, meta, Path(args.out), plots=False),
         interleave=args.interleave,
+        steady=args.steady,
     )
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
@@ -541,7 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="-lookup methods: the text's last N tokens (N = 3 down to this) must have occurred before",
     )
     b.add_argument(
-        "--min-requests", type=int, default=0, help="each cell runs max(this, concurrency) prompts of its domain (0 = all --n-prompts)"
+        "--min-requests",
+        type=int,
+        default=0,
+        help="each cell runs max(this, concurrency) prompts of its domain, served again in order where the domain "
+        "has fewer (0 = all --n-prompts)",
     )
     b.add_argument(
         "--repeats",
@@ -561,6 +583,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run a cell's engine methods in lockstep, one engine step each in turn, each timed over its own steps "
         "(load from other processes then hits every method alike; --shift always does)",
+    )
+    b.add_argument(
+        "--steady",
+        action="store_true",
+        help="engine methods report their steady throughput: the steps with requests still waiting (a server "
+        "under sustained load), not the last wave's drain; needs --min-requests above every concurrency (4x: "
+        "three waves of backlog) and no peers",
     )
     _add_prompt_args(b, "eval", 8)
     b.set_defaults(func=cmd_bench)

@@ -124,14 +124,13 @@ def run_engine(
     if full_vocab:
         drafter.set_vocab(None)  # draft from the whole vocabulary (the shared, packed LM head)
     try:
-        t0 = time.perf_counter()
-        states = engine.run(reqs)
-        wall = time.perf_counter() - t0
+        done, walls, steady = lockstep({method: engine}, {method: reqs})
     finally:
         if full_vocab:
             drafter.set_vocab(vocab)
             prepack(drafter.draft_head)  # packed outside the timed runs
-    return engine_row(engine, states, wall, drafter.block_size if drafter is not None else 1)
+    k_blk = drafter.block_size if drafter is not None else 1
+    return engine_row(engine, done[method], walls[method], k_blk, steady[method])
 
 
 def run_interleaved(
@@ -152,39 +151,51 @@ def run_interleaved(
     runs each meet a different stretch of it. Per-request latencies are left out (a request's wall
     time here includes the other methods' steps)."""
     engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
-    states, wall = lockstep(engines, {m: [Request(f"{m}-{i}", p.ids, max_new) for i, p in enumerate(prompts)] for m in methods})
+    states, wall, steady = lockstep(engines, {m: [Request(f"{m}-{i}", p.ids, max_new) for i, p in enumerate(prompts)] for m in methods})
     k_blk = drafter.block_size if drafter is not None else 1
     no_latency = {"latency_per_token_p50": None, "latency_per_token_p95": None}
-    return {m: engine_row(engines[m], states[m], wall[m], k_blk) | no_latency for m in methods}
+    return {m: engine_row(engines[m], states[m], wall[m], k_blk, steady[m]) | no_latency for m in methods}
 
 
-def lockstep(engines: dict[str, Engine], requests: dict[str, list[Request]], seed: int = 0) -> tuple[dict[str, list], dict[str, float]]:
+def lockstep(
+    engines: dict[str, Engine], requests: dict[str, list[Request]], seed: int = 0
+) -> tuple[dict[str, list], dict[str, float], dict[str, tuple[int, float]]]:
     """Each engine serves its requests, the engines taking one step each in turn, in an order shuffled
     every turn (seeded), until all are idle: in a fixed cyclic order one method always follows the same
     one and inherits whatever that one leaves behind (allocator state, caches); shuffled, every method
-    follows every other alike. -> per engine its finished states in submission order,
-    and the seconds of its own steps."""
+    follows every other alike. -> per engine its finished states in submission order, the seconds of
+    its own steps, and (tokens, seconds) of its steady steps: those that ended with requests still
+    waiting, so the batch was full throughout (a server under sustained load; the last wave's drain,
+    where a finished request frees a slot nobody takes, is left out)."""
     rng = random.Random(seed)
     for m, e in engines.items():
         for r in requests[m]:
             e.submit(r)
     states: dict[str, list] = {m: [] for m in engines}
     wall = dict.fromkeys(engines, 0.0)
+    steady = dict.fromkeys(engines, (0, 0.0))
+    out_len = lambda m: sum(len(s.out) for s in engines[m].running) + sum(len(s.out) for s in states[m])  # noqa: E731
     live = [m for m in engines if not engines[m].idle]
     while live:
         for m in rng.sample(live, len(live)):
+            before = out_len(m)
             t0 = time.perf_counter()
             states[m] += engines[m].step()
-            wall[m] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            wall[m] += dt
+            if engines[m].waiting:
+                n, t = steady[m]
+                steady[m] = (n + out_len(m) - before, t + dt)
         live = [m for m in live if not engines[m].idle]
     for m in engines:
         order = {r.request_id: i for i, r in enumerate(requests[m])}
         states[m].sort(key=lambda st: order[st.req.request_id])
-    return states, wall
+    return states, wall, steady
 
 
-def engine_row(engine: Engine, states: list, wall: float, k_blk: int) -> dict:
-    """A bench row's measurements from an engine's finished requests and the seconds they took."""
+def engine_row(engine: Engine, states: list, wall: float, k_blk: int, steady: tuple[int, float] = (0, 0.0)) -> dict:
+    """A bench row's measurements from an engine's finished requests and the seconds they took;
+    `steady`: (tokens, seconds) of the steps with requests still waiting (`lockstep`)."""
     tokens = sum(len(s.out) for s in states)
     rounds = sum(len(s.rounds) for s in states)
     per_tok = [(s.t_done - s.t_start) / len(s.out) for s in states]
@@ -200,6 +211,8 @@ def engine_row(engine: Engine, states: list, wall: float, k_blk: int) -> dict:
                 true_rate.append(min(1.0, (r.accepted + 1) / k_blk))
     return {
         "tokens_per_s": tokens / wall,
+        "steady_tokens_per_s": steady[0] / steady[1] if steady[1] > 0 else None,
+        "steady_s": steady[1],
         "tau": (tokens - len(states)) / max(1, rounds),
         "verify_tokens_per_step": engine.stats["verify_tokens"] / max(1, engine.stats["steps"]),
         "steps": engine.stats["steps"],
@@ -332,20 +345,31 @@ def bench(
     vllm: dict | None = None,
     on_cell: Callable[[list[dict]], None] | None = None,
     interleave: bool = False,
+    steady: bool = False,
 ) -> list[dict]:
     """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
-    prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable.
+    prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable;
+    a domain with fewer prompts than that serves them again, in order, until the count is met.
+    `steady`: an engine method's tok/s is its steady rate (`lockstep`: the steps that ended with
+    requests still waiting, as a server under sustained load sees), the whole run's in `whole_tokens_per_s`.
     `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`.
     `on_cell(rows so far)` after every cell (the CLI writes the partial results: a long grid cut short keeps them).
     `interleave`: the engine methods of a cell run in lockstep, one step each in turn (`run_interleaved`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if steady and (min_requests <= max(concurrency) or any(is_peer(m) for m in methods)):
+        raise ValueError(
+            "steady throughput needs more requests than the highest concurrency (min_requests, e.g. 4x it) "
+            f"and engine methods only (peers report whole runs); got min_requests {min_requests}, concurrency "
+            f"{max(concurrency)}, peers {[m for m in methods if is_peer(m)]}"
+        )
     rows = []
     cells = [(d, c) for d in prompts_by_domain for c in concurrency]
 
     def cell_prompts(domain: str, conc: int) -> list[BenchPrompt]:
         prompts = prompts_by_domain[domain]
-        return prompts[: max(min_requests, conc)] if min_requests else prompts
+        n = max(min_requests, conc) if min_requests else len(prompts)
+        return [prompts[i % len(prompts)] for i in range(n)]
 
     from adaflash.pipelines.roofline import machine_limits, step_fraction, target_costs
 
@@ -378,6 +402,9 @@ def bench(
                     r = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget, lookup)
                 runs.setdefault(m, []).append(r)
                 bar.update(1)
+        if steady:  # every run is an engine run here (checked above)
+            for r in (r for rs in runs.values() for r in rs):
+                r["whole_tokens_per_s"], r["tokens_per_s"] = r["tokens_per_s"], r["steady_tokens_per_s"]
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB, peak of the process so far
         for m in [m for m in methods if m in runs]:
             tps = [r["tokens_per_s"] for r in runs[m]]
@@ -443,7 +470,7 @@ def shift_bench(
         k = r % len(methods)
         here = {}
         order = methods[k:] + methods[:k]
-        done, walls = lockstep(
+        done, walls, _ = lockstep(
             {m: engines[m] for m in order}, {m: [Request(f"{m}-r{r}-{j}", p.ids, max_new) for j, p in enumerate(chunk)] for m in order}
         )
         for m in order:
@@ -534,7 +561,8 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
         f"Machine: {meta['machine']}{limits_text(rows)}; max_new_tokens {meta['max_new_tokens']}; "
         f"token budget {meta['token_budget']}"
         + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else "")
-        + ("; engine methods in lockstep (one step each in turn, tok/s over each method's own steps)" if meta.get("interleave") else ""),
+        + ("; engine methods in lockstep (one step each in turn, tok/s over each method's own steps)" if meta.get("interleave") else "")
+        + ("; steady tok/s: over the steps with requests still waiting (full batch, sustained load)" if meta.get("steady") else ""),
         "",
         "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | of limit | tau | verify tok/step | max step tok "
         "| p50 ms/tok | p95 ms/tok | requests | same as ar | undrafted rounds | peak RSS MiB |",

@@ -247,3 +247,23 @@ def test_bench_interleave_runs_methods_in_lockstep(tiny_hf_dir, tiny_drafter_dir
         assert all(r["latency_per_token_p50"] is None and r["tokens_per_s"] > 0 for r in here.values())
     assert "in lockstep" in (tmp_path / "b" / "report.md").read_text()
     assert main([*common, "--methods", "ar,fixed2-fullvocab"]) == 2
+
+
+def test_bench_steady_cycles_prompts_and_times_the_full_batch(tiny_hf_dir, tiny_drafter_dir, tmp_path, monkeypatch):
+    """`--steady`: 3 prompts served again in order up to --min-requests 7; tok/s is over the steps that
+    ended with requests waiting (fewer seconds than the whole run), the whole run's kept beside it."""
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?", "domain": "math"}) + "\n" for i in range(3)))
+    common = ["bench", "--target", str(tiny_hf_dir), "--drafter", str(tiny_drafter_dir), "--prompts-file", str(prompts)]
+    common += ["--max-new-tokens", "6", "--concurrency", "1,2", "--out", str(tmp_path / "b")]
+    assert main([*common, "--methods", "ar,fixed2", "--min-requests", "7", "--steady"]) == 0
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["meta"]["steady"] and len(res["rows"]) == 4
+    for r in res["rows"]:
+        assert r["n_requests"] == 7 and r["same_as_ar"] == 1.0
+        assert 0 < r["steady_s"] < r["wall_s"] and r["tokens_per_s"] == r["steady_tokens_per_s"] > 0
+        assert r["whole_tokens_per_s"] == pytest.approx(r["committed_tokens"] / r["wall_s"])
+    assert "steady tok/s" in (tmp_path / "b" / "report.md").read_text()
+    assert main([*common, "--methods", "ar,fixed2", "--min-requests", "2", "--steady"]) == 2  # not above concurrency 2
+    assert main([*common, "--methods", "ar,hf", "--min-requests", "7", "--steady"]) == 2  # a peer's run is whole
