@@ -14,7 +14,10 @@ Three formats, two on PyTorch's CPU weight-only kernels and one on ours:
   per row and 32 inputs), in integer dot products (AVX-512 VNNI where the CPU has it): llama.cpp's
   arithmetic for this file. Row-invariant by construction, and faster than the int4 kernel at every row
   count measured (it unpacks each weight group once per 4 rows); the activations' rounding makes it another model
-  than the float one, with its own plain decoding as the greedy reference.
+  than the float one, with its own plain decoding as the greedy reference. The LM head runs on the same
+  kernel from the file's Q8_0 blocks (`Q8Head`: SmolLM2's embedding, tied to the head), reading half
+  the bytes of bfloat16, except on CPUs with AMX, where oneDNN's bfloat16 head is faster; embedding
+  lookups keep the float copy.
 - int8 (`_weight_int8pack_mm`, one scale per output channel): a symmetric re-quantisation of the
   float weights (round(w / s), s ~ max|w| / 127), so the weights differ from the file's (any target).
 
@@ -31,9 +34,11 @@ import torch
 from torch import nn
 
 from adaflash.kernels import q4_cpu
+from adaflash.layers import Linear
 
 GROUP = 32  # Q4_1 block size = the int4 kernel's group size
 Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+Q8_0_BYTES = 34  # fp16 d, 32 int8
 PROJECTIONS = {  # GGUF tensor name in block i -> submodule path in the target's layer i
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -65,6 +70,14 @@ def q4_1_pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     nib = qb[:, :, 0] | (qb[:, :, 1] << 4)  # [N, K/32, 16]
     dm = np.stack([d.astype(np.float16), m.astype(np.float16)], axis=-1).view(np.uint8)  # [N, K/32, 4]
     return np.concatenate([dm, nib], axis=-1).reshape(n, -1)
+
+
+def q8_0_unpack(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 rows as stored in a GGUF (uint8 [N, K/32*34]) -> s (int8 [N, K]) and d (float16 [N, K/32]): w = d*s."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, Q8_0_BYTES)  # [N, K/32, 34]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, K/32]
+    return blocks[..., 2:].copy().view(np.int8).reshape(n, -1), d
 
 
 class Int4Linear(nn.Module):
@@ -119,6 +132,40 @@ class Q4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 x int8 activations, group {GROUP}"
+
+
+class Q8Head(Linear):
+    """The LM head on the q4 kernel from a GGUF's Q8_0 blocks (w = d*s, s in -127..127 per 32 inputs):
+    the kernel's 8-bit form w = d*q + m with q = s + 128 and m = -128 d, inputs rounded to int8 per row
+    and 32 as in `Q4Linear` (row-invariant). It keeps the float `weight` it replaces (tied to the
+    embedding: lookups, the drafter's draft-vocabulary rows, training); a call with autograd on or
+    off the CPU is the plain float matmul."""
+
+    def __init__(self, weight: nn.Parameter, s: torch.Tensor, d: torch.Tensor):
+        super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        kernel = q4_cpu.load()
+        if kernel is None:
+            raise RuntimeError("the q4 kernel could not be built here (see the warning above): use int4, bfloat16 or float32")
+        if s.shape != weight.shape:
+            raise ValueError(f"Q8_0 head {tuple(s.shape)} does not match the LM head {tuple(weight.shape)}")
+        self.weight = weight
+        d = d.float()
+        packed, dp, mp = q4_cpu.pack((s.to(torch.int16) + 128).to(torch.uint8), d, -128 * d, bits=8)
+        self.register_buffer("packed", packed, persistent=False)  # [N/16, K/32, 512] uint8
+        self.register_buffer("d", dp, persistent=False)  # [N/16, K/32, 16] float32
+        self.register_buffer("m", mp, persistent=False)
+        self._kernel = kernel.q4_linear
+
+    def _packs(self) -> bool:
+        return False  # no oneDNN copy: inference goes to the kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+            return super().forward(x)
+        return self._kernel(x, self.packed, self.d, self.m)  # [..., N] in x's dtype
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0 x int8 activations, group {GROUP}"
 
 
 class Int8Linear(nn.Module):
@@ -179,10 +226,32 @@ def gguf_q4_1(gguf: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, 
     return found, kept
 
 
-def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None) -> dict:
+def gguf_q8_0_head(gguf: Path, tied: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """(s, d) of the GGUF's LM head when stored as Q8_0: `output.weight`, or the embedding `token_embd.weight`
+    where the model ties the two (`tied`); None otherwise."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    t = tensors.get("output.weight") or (tensors.get("token_embd.weight") if tied else None)
+    if t is None or t.tensor_type != GGMLQuantizationType.Q8_0:
+        return None
+    return q8_0_unpack(np.asarray(t.data))
+
+
+def amx() -> bool:
+    """Whether this CPU has AMX tiles: oneDNN's bfloat16 matmul runs on them, and SmolLM2's bf16 LM head is
+    then faster than the Q8_0 one (1.8 vs 2.1 ms a row on a Xeon; on an AVX-512 EPYC bf16 took 4.8)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None, q8_head: bool | None = None) -> dict:
     """Swap the target's projection Linears for `fmt` ("int4" or "q4" from `gguf`'s Q4_1 blocks, "int8"
-    from the loaded float weights) in the model's dtype, in place; -> a summary of what was
-    converted and what stayed float."""
+    from the loaded float weights) in the model's dtype, in place, and for q4 the LM head for a `Q8Head`
+    where the file stores it as Q8_0 and `q8_head` (None: where the CPU has no AMX); -> a summary of what
+    was converted and what stayed float."""
     dtype = model.lm_head.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"{fmt} weights run with float32 or bfloat16 activations, not {dtype}")
@@ -203,7 +272,13 @@ def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None) -> dic
         q, d, m = torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
         _swap(model, path, Int4Linear(q, d, m, dtype) if fmt == "int4" else Q4Linear(q, d, m))
     float_projections = [p for p in paths if p not in blocks]
-    return {"format": fmt, "converted": len(blocks), "float_projections": float_projections, "float_tensors": kept}
+    head = None
+    if fmt == "q4" and (not amx() if q8_head is None else q8_head):
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        if (found := gguf_q8_0_head(gguf, tied)) is not None:
+            model.lm_head = Q8Head(model.lm_head.weight, *(torch.from_numpy(a) for a in found))
+            head = "Q8_0"
+    return {"format": fmt, "converted": len(blocks), "float_projections": float_projections, "float_tensors": kept, "head": head}
 
 
 def weight_format(model: nn.Module) -> str:

@@ -1,7 +1,8 @@
-// Q4_1 weights x int8 activations on CPU: llama.cpp's arithmetic for a GGUF's Q4_1 projections
-// (kernels/q4_cpu.py builds and calls it).
+// Q4_1 / Q8_0 weights x int8 activations on CPU: llama.cpp's arithmetic for a GGUF's Q4_1 projections
+// and its Q8_0 embedding used as the LM head (kernels/q4_cpu.py builds and calls it).
 //
-// A weight group of 32 inputs is w = d * q + m (q in 0..15, d and m per group and output). An input row
+// A weight group of 32 inputs is w = d * q + m (q in 0..15, d and m per group and output; a Q8_0 group
+// d * s with s in -127..127 is the same form with q = s + 128 in 1..255 and m = -128 d). An input row
 // is quantised per group of 32: x ~ dx * qx (qx int8, dx = max|x| / 127), so one output is
 //   y = sum_g  d * (float(sum_k q * qx) * dx)  +  m * (dx * sum_k qx)
 // The integer dot products are exact (any order gives the same sum), and every float operation of an
@@ -11,8 +12,9 @@
 //
 // Weights are packed per 16 outputs and group: 4 vectors of 64 bytes, byte (j * 4 + b) of vector c
 // holding q[j, 4c + b] in its low nibble and q[j, 16 + 4c + b] in its high one, so one AVX-512 VNNI
-// instruction (vpdpbusd) adds 4 products for each of the 16 outputs. Without VNNI a portable loop
-// computes the same integers.
+// instruction (vpdpbusd) adds 4 products for each of the 16 outputs; 8-bit weights take 8 vectors,
+// byte (j * 4 + b) of vector c holding q[j, 4c + b]. Without VNNI a portable loop computes the same
+// integers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -35,7 +37,8 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 
 constexpr int64_t GROUP = 32;
 constexpr int64_t BLOCK = 16;       // outputs per packed block
-constexpr int64_t PACKED = 256;     // bytes per block and group
+template <int BITS>
+constexpr int64_t PACKED = 64 * BITS;  // bytes per block and group (16 outputs x 32 inputs): 256 (4-bit), 512 (8-bit)
 constexpr int64_t ROWS = 4;         // rows sharing each unpacked weight group
 constexpr int PAIR = 2;             // output blocks sharing each broadcast of a row's inputs
 
@@ -48,17 +51,20 @@ inline v16 load(const float* p) {
 // NB blocks of 16 outputs: their integer dot products for one group with one row's 32 quantised inputs
 // (each 4-input broadcast of the row serves every block)
 #if Q4_VNNI
-template <int NB>
+template <int NB, int BITS>
 struct Unpacked {
   __m512i w[NB][8];
   Unpacked(const uint8_t* p, int64_t stride) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < NB; ++b)
-      for (int c = 0; c < 4; ++c) {
-        __m512i v = _mm512_loadu_si512(p + b * stride + c * 64);
-        w[b][c] = _mm512_and_si512(v, low);
-        w[b][c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
+      if (BITS == 8)
+        for (int c = 0; c < 8; ++c) w[b][c] = _mm512_loadu_si512(p + b * stride + c * 64);
+      else
+        for (int c = 0; c < 4; ++c) {
+          __m512i v = _mm512_loadu_si512(p + b * stride + c * 64);
+          w[b][c] = _mm512_and_si512(v, low);
+          w[b][c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
   }
   inline void dot(const int8_t* x, i16* out) const {
     __m512i s[NB];
@@ -73,7 +79,7 @@ struct Unpacked {
   }
 };
 #else
-template <int NB>
+template <int NB, int BITS>
 struct Unpacked {
   const uint8_t* p;
   int64_t stride;
@@ -84,8 +90,12 @@ struct Unpacked {
       for (int c = 0; c < 4; ++c)
         for (int j = 0; j < 16; ++j)
           for (int b = 0; b < 4; ++b) {
-            const int32_t byte = p[nb * stride + c * 64 + j * 4 + b];
-            s[j] += (byte & 0x0F) * x[c * 4 + b] + (byte >> 4) * x[16 + c * 4 + b];
+            if (BITS == 8) {
+              s[j] += p[nb * stride + c * 64 + j * 4 + b] * x[c * 4 + b] + p[nb * stride + (c + 4) * 64 + j * 4 + b] * x[16 + c * 4 + b];
+            } else {
+              const int32_t byte = p[nb * stride + c * 64 + j * 4 + b];
+              s[j] += (byte & 0x0F) * x[c * 4 + b] + (byte >> 4) * x[16 + c * 4 + b];
+            }
           }
       out[nb] = s;
     }
@@ -126,14 +136,14 @@ inline void store_rows(const float* acc, int rows, T* out, int64_t ldo) {
 }
 
 // R rows x NB*16 outputs over all groups: out[r][0..NB*16) (row stride ldo); block b's weights at w + b * bstride
-template <int R, int NB, typename T>
+template <int R, int NB, int BITS, typename T>
 void tile(const uint8_t* w, const float* d, const float* m, int64_t bstride, const int8_t* qx, const float* dx, const float* sx,
           int64_t k, int64_t groups, T* out, int64_t ldo) {
   v16 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = v16{};
   for (int64_t g = 0; g < groups; ++g) {
-    const Unpacked<NB> u(w + g * PACKED, bstride * PACKED);
+    const Unpacked<NB, BITS> u(w + g * PACKED<BITS>, bstride * PACKED<BITS>);
     v16 dv[NB], mv[NB];
     for (int b = 0; b < NB; ++b) {
       dv[b] = load(d + (b * bstride + g) * BLOCK);
@@ -157,23 +167,23 @@ void tile(const uint8_t* w, const float* d, const float* m, int64_t bstride, con
 }
 
 // rows x NB blocks starting at block b, ROWS rows at a time
-template <int NB, typename T>
+template <int NB, int BITS, typename T>
 void blocks_of(int64_t b, const uint8_t* w, const float* pd, const float* pm, const int8_t* pq, const float* pdx, const float* psx,
                int64_t rows, int64_t k, int64_t groups, T* po, int64_t n) {
-  const uint8_t* wb = w + b * groups * PACKED;
+  const uint8_t* wb = w + b * groups * PACKED<BITS>;
   const float *db = pd + b * groups * BLOCK, *mb = pm + b * groups * BLOCK;
   int64_t r = 0;
   for (; r + ROWS <= rows; r += ROWS)
-    tile<ROWS, NB>(wb, db, mb, groups, pq + r * k, pdx + r * groups, psx + r * groups, k, groups, po + r * n + b * BLOCK, n);
+    tile<ROWS, NB, BITS>(wb, db, mb, groups, pq + r * k, pdx + r * groups, psx + r * groups, k, groups, po + r * n + b * BLOCK, n);
   const int64_t left = rows - r;
   const int8_t* q = pq + r * k;
   T* o = po + r * n + b * BLOCK;
-  if (left == 3) tile<3, NB>(wb, db, mb, groups, q, pdx + r * groups, psx + r * groups, k, groups, o, n);
-  if (left == 2) tile<2, NB>(wb, db, mb, groups, q, pdx + r * groups, psx + r * groups, k, groups, o, n);
-  if (left == 1) tile<1, NB>(wb, db, mb, groups, q, pdx + r * groups, psx + r * groups, k, groups, o, n);
+  if (left == 3) tile<3, NB, BITS>(wb, db, mb, groups, q, pdx + r * groups, psx + r * groups, k, groups, o, n);
+  if (left == 2) tile<2, NB, BITS>(wb, db, mb, groups, q, pdx + r * groups, psx + r * groups, k, groups, o, n);
+  if (left == 1) tile<1, NB, BITS>(wb, db, mb, groups, q, pdx + r * groups, psx + r * groups, k, groups, o, n);
 }
 
-template <typename T>
+template <int BITS, typename T>
 void run(const T* x, int64_t rows, int64_t k, const uint8_t* w, const float* pd, const float* pm, int64_t blocks, int64_t groups, T* po) {
   const int64_t n = blocks * BLOCK;
   std::vector<int8_t> qx(rows * k);
@@ -185,22 +195,24 @@ void run(const T* x, int64_t rows, int64_t k, const uint8_t* w, const float* pd,
     for (int64_t p = lo; p < hi; ++p) {
       const int64_t b = p * PAIR;
       if (b + PAIR <= blocks)
-        blocks_of<PAIR>(b, w, pd, pm, pq, pdx, psx, rows, k, groups, po, n);
+        blocks_of<PAIR, BITS>(b, w, pd, pm, pq, pdx, psx, rows, k, groups, po, n);
       else
-        for (int64_t e = b; e < blocks; ++e) blocks_of<1>(e, w, pd, pm, pq, pdx, psx, rows, k, groups, po, n);
+        for (int64_t e = b; e < blocks; ++e) blocks_of<1, BITS>(e, w, pd, pm, pq, pdx, psx, rows, k, groups, po, n);
     }
   });
 }
 
 }  // namespace
 
-// x [..., K] float32 or bfloat16, packed uint8 [N/16, K/32, 256], d and m float32 [N/16, K/32, 16] -> [..., N] in x's dtype
+// x [..., K] float32 or bfloat16, packed uint8 [N/16, K/32, 256] (4-bit q) or [N/16, K/32, 512] (8-bit q),
+// d and m float32 [N/16, K/32, 16] -> [..., N] in x's dtype
 torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor d, torch::Tensor m) {
   const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(x_in.dim() >= 1 && (bf16 || x_in.scalar_type() == torch::kFloat) && x_in.device().is_cpu(),
               "q4_linear: x must be a float32 or bfloat16 CPU tensor [..., K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == PACKED,
-              "q4_linear: packed must be uint8 [N/16, K/32, 256]");
+  const bool eight = packed.dim() == 3 && packed.size(2) == PACKED<8>;
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 3 && (eight || packed.size(2) == PACKED<4>),
+              "q4_linear: packed must be uint8 [N/16, K/32, 256] (4-bit) or [N/16, K/32, 512] (8-bit)");
   TORCH_CHECK(d.scalar_type() == torch::kFloat && m.scalar_type() == torch::kFloat && d.is_contiguous() && m.is_contiguous(),
               "q4_linear: d and m must be contiguous float32 [N/16, K/32, 16]");
   const int64_t k = x_in.size(-1), blocks = packed.size(0), groups = packed.size(1);
@@ -212,16 +224,21 @@ torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor 
   auto out = torch::empty(shape, x.options());
   if (rows == 0) return out;
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  if (bf16)
-    run(x.data_ptr<at::BFloat16>(), rows, k, w, d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, out.data_ptr<at::BFloat16>());
+  const float *pd = d.data_ptr<float>(), *pm = m.data_ptr<float>();
+  if (bf16 && eight)
+    run<8>(x.data_ptr<at::BFloat16>(), rows, k, w, pd, pm, blocks, groups, out.data_ptr<at::BFloat16>());
+  else if (bf16)
+    run<4>(x.data_ptr<at::BFloat16>(), rows, k, w, pd, pm, blocks, groups, out.data_ptr<at::BFloat16>());
+  else if (eight)
+    run<8>(x.data_ptr<float>(), rows, k, w, pd, pm, blocks, groups, out.data_ptr<float>());
   else
-    run(x.data_ptr<float>(), rows, k, w, d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, out.data_ptr<float>());
+    run<4>(x.data_ptr<float>(), rows, k, w, pd, pm, blocks, groups, out.data_ptr<float>());
   return out;
 }
 
 bool vnni() { return Q4_VNNI; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q4_linear", &q4_linear, "Q4_1 weights x int8-quantised activations, row-invariant (CPU)");
+  mod.def("q4_linear", &q4_linear, "Q4_1 / Q8_0 weights x int8-quantised activations, row-invariant (CPU)");
   mod.def("vnni", &vnni, "whether this build uses AVX-512 VNNI");
 }

@@ -1,5 +1,6 @@
-"""Q4_1 weights times int8 activations on CPU (q4_cpu.cpp): the arithmetic llama.cpp uses for a GGUF's
-Q4_1 projections, row-invariant, with AVX-512 VNNI integer dot products where the CPU has them.
+"""Q4_1 (and Q8_0) weights times int8 activations on CPU (q4_cpu.cpp): the arithmetic llama.cpp uses for
+a GGUF's Q4_1 projections and Q8_0 LM head, row-invariant, with AVX-512 VNNI integer dot products where
+the CPU has them.
 
 Why: PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`) reads 4x fewer weight bytes than bfloat16
 but does not scale with rows (it dequantises as it multiplies: at 16 rows slower than bfloat16), and a
@@ -28,16 +29,24 @@ def load():
     return build("q4_cpu", SOURCE, "the q4 target dtype is unavailable; use int4, bfloat16 or float32")
 
 
-def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q uint8 [N, K] (0..15), d and m [N, K/32] (w = d*q + m) -> the kernel's (packed uint8 [N/16, K/32, 256],
-    d float32 [N/16, K/32, 16], m likewise). N must be a multiple of 16, K of 32."""
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q uint8 [N, K] (0..15, or 0..255 with bits=8), d and m [N, K/32] (w = d*q + m) -> the kernel's
+    (packed uint8 [N/16, K/32, 64 * bits], d float32 [N/16, K/32, 16], m likewise). N must be a multiple
+    of 16, K of 32."""
     n, k = q.shape
-    if n % BLOCK or k % GROUP or d.shape != (n, k // GROUP) or m.shape != d.shape:
-        raise ValueError(f"q4 weights need outputs in 16s, inputs in 32s and one d, m per group: q {tuple(q.shape)}, d {tuple(d.shape)}")
+    if n % BLOCK or k % GROUP or d.shape != (n, k // GROUP) or m.shape != d.shape or bits not in (4, 8):
+        raise ValueError(
+            f"q4 weights need outputs in 16s, inputs in 32s, one d, m per group and 4 or 8 bits: q {tuple(q.shape)}, "
+            f"d {tuple(d.shape)}, bits {bits}"
+        )
     g = k // GROUP
-    qb = q.to(torch.uint8).view(n // BLOCK, BLOCK, g, 2, 4, 4)  # [nb, j, g, half, c, b]: input = 16 half + 4 c + b
-    qb = qb.permute(0, 2, 4, 1, 5, 3)  # [nb, g, c, j, b, half]
-    packed = (qb[..., 0] | (qb[..., 1] << 4)).reshape(n // BLOCK, g, 256).contiguous()
+    if bits == 8:
+        qb = q.to(torch.uint8).view(n // BLOCK, BLOCK, g, 8, 4)  # [nb, j, g, c, b]: input = 4 c + b
+        packed = qb.permute(0, 2, 3, 1, 4).reshape(n // BLOCK, g, 512).contiguous()  # [nb, g, c * j * b]
+    else:
+        qb = q.to(torch.uint8).view(n // BLOCK, BLOCK, g, 2, 4, 4)  # [nb, j, g, half, c, b]: input = 16 half + 4 c + b
+        qb = qb.permute(0, 2, 4, 1, 5, 3)  # [nb, g, c, j, b, half]
+        packed = (qb[..., 0] | (qb[..., 1] << 4)).reshape(n // BLOCK, g, 256).contiguous()
 
     def per_block(s: torch.Tensor) -> torch.Tensor:
         return s.float().view(n // BLOCK, BLOCK, g).transpose(1, 2).contiguous()  # [nb, g, 16]
@@ -52,7 +61,7 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.T
 
 def reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """The kernel's arithmetic in plain PyTorch, for tests: x [M, K] float32, q [N, K], d, m [N, K/32]
-    float32 -> [M, N] float32, the same float operations in the same order (bit-exact)."""
+    float32 -> [M, N] float32, the same float operations in the same order (bit-exact; q of 4 or 8 bits)."""
     rows, k = x.shape
     g = k // GROUP
     xg = x.view(rows, g, GROUP)

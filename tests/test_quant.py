@@ -14,7 +14,18 @@ import torch
 from adaflash.kernels import q4_cpu
 from conftest import greedy_reference, tiny_drafter, tiny_target
 
-from adaflash.quant import GROUP, Int4Linear, Int8Linear, Q4Linear, q4_1_pack, q4_1_unpack, quantise_target, rope_rows, weight_format
+from adaflash.quant import (
+    GROUP,
+    Int4Linear,
+    Int8Linear,
+    Q4Linear,
+    Q8Head,
+    q4_1_pack,
+    q4_1_unpack,
+    quantise_target,
+    rope_rows,
+    weight_format,
+)
 from adaflash.target import load_target, resolve_dtype, resolve_target_dtype
 
 
@@ -81,17 +92,25 @@ def test_rope_rows_undo_llama_cpp_permutation():
     np.testing.assert_array_equal(gguf[rope_rows(heads * dim, heads)], hf)
 
 
-def write_tiny_gguf(path, model) -> dict[str, torch.Tensor]:
+def write_tiny_gguf(path, model, embd_q8: bool = False) -> dict[str, torch.Tensor]:
     """The tiny target's projections as Q4_1 tensors in a llama GGUF (q/k rows permuted as llama.cpp
-    stores them), the embedding as F32; -> {HF module path: the file's float values in HF order}."""
+    stores them), the embedding as F32 (or Q8_0, as SmolLM2's); -> {HF module path: the file's float
+    values in HF order} (with `embd_q8`, also "lm_head" for the tied embedding)."""
     from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
 
     from adaflash.quant import PROJECTIONS
 
     c = model.config
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tensor("token_embd.weight", model.model.embed_tokens.weight.numpy())
+    embd = model.model.embed_tokens.weight.numpy()
     values = {}
+    if embd_q8:
+        blocks = quantize(embd.astype(np.float32), GGMLQuantizationType.Q8_0)
+        writer.add_tensor("token_embd.weight", blocks, raw_dtype=GGMLQuantizationType.Q8_0)
+        values["lm_head"] = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0))
+    else:
+        writer.add_tensor("token_embd.weight", embd)
     for i in range(c.num_layers):
         for kind, sub in PROJECTIONS.items():
             w = model.get_submodule(f"model.layers.{i}.{sub}").weight.numpy()  # [N, K]
@@ -150,6 +169,34 @@ def test_q4_kernel_rows_are_their_own():
         Q4Linear(q[:40], d[:40], m[:40])
 
 
+@needs_q4
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q8_head_is_the_kernels_reference_bit_for_bit(rows):
+    """The LM head from Q8_0 blocks (w = d*s) runs the kernel's 8-bit form q = s + 128, m = -128 d: the
+    reference's float operations exactly, each row its own, and close to x @ w.T (int8 inputs)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from adaflash.quant import q8_0_unpack
+
+    rng = np.random.default_rng(rows)
+    blocks = quantize(rng.normal(size=(64, 96)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    w = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0))  # [64, 96], the file's values
+    s, d = (torch.from_numpy(a) for a in q8_0_unpack(blocks))
+    assert torch.equal(s.float() * d.float().repeat_interleave(GROUP, 1), w)
+    head = Q8Head(torch.nn.Parameter(w.clone(), requires_grad=False), s, d)
+    x = torch.randn(rows, 96) * torch.logspace(-2, 1, rows)[:, None]
+    d32 = d.float()
+    with torch.no_grad():
+        out = head(x)
+        assert torch.equal(out, q4_cpu.reference(x, s.float() + 128, d32, -128 * d32))
+        assert torch.equal(torch.cat([head(x[i : i + 1]) for i in range(rows)]), out)
+        torch.testing.assert_close(out, x @ w.T, atol=0.02 * float((x @ w.T).abs().max()), rtol=0)
+    assert torch.equal(head(x), torch.nn.functional.linear(x, w))  # with autograd on: the float matmul (training)
+    with pytest.raises(ValueError, match="does not match"):
+        Q8Head(torch.nn.Parameter(w[:48].clone()), s, d)
+
+
 def test_int4_target_from_gguf_blocks(tmp_path):
     model = tiny_target(vocab=96, std=0.2)
     values = write_tiny_gguf(tmp_path / "tiny.gguf", model)
@@ -175,12 +222,14 @@ def test_q4_target_from_gguf_blocks_is_greedy_lossless(tmp_path):
     from adaflash.engine import Engine, FixedPolicy, Request, single_request_engine
 
     model = tiny_target(vocab=96, std=0.2, head_dim=32)  # a head dim the row-invariant attention kernel takes
-    values = write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    values = write_tiny_gguf(tmp_path / "tiny.gguf", model, embd_q8=True)
     for path, w in values.items():
         model.get_submodule(path).weight.copy_(w)
     quant = copy.deepcopy(model).to(torch.bfloat16)
-    info = quantise_target(quant, "q4", tmp_path / "tiny.gguf")
+    info = quantise_target(quant, "q4", tmp_path / "tiny.gguf", q8_head=True)  # (by default not on AMX CPUs)
     assert info["format"] == "q4" and info["converted"] == 4 * 7 and weight_format(quant) == "q4"
+    assert info["head"] == "Q8_0" and isinstance(quant.lm_head, Q8Head)
+    assert quant.lm_head.weight is quant.model.embed_tokens.weight  # still tied: lookups and drafting rows
     ids = torch.tensor([[3, 17, 42, 8, 61, 5]])
     ref = model(ids, model.new_cache())[0]
     torch.testing.assert_close(
