@@ -196,8 +196,7 @@ class Drafter(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.project_q(h, cos, sin)
-            kb, vb = attn.project_kv(h, cos, sin)
+            q, kb, vb = attn.project_qkv(h, cos, sin)
             k = torch.cat([cache.k[i][:, :, :n], kb.to(cache.k[i].dtype)], dim=2)
             v = torch.cat([cache.v[i][:, :, :n], vb.to(cache.v[i].dtype)], dim=2)
             x = x + attn.attend(q, k, v, mask)
@@ -248,8 +247,8 @@ class Drafter(nn.Module):
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.project_q(h, cos, sin).transpose(1, 2).reshape(r * k_blk, attn.n_heads, -1)  # [R*L, Hq, D]
-            kb, vb = attn.project_kv(h, cos, sin)  # [R, Hkv, L, D]
+            q, kb, vb = attn.project_qkv(h, cos, sin)  # [R, Hq, L, D], [R, Hkv, L, D] x 2
+            q = q.transpose(1, 2).reshape(r * k_blk, attn.n_heads, -1)  # [R*L, Hq, D]
             kb = kb.transpose(1, 2).reshape(r * k_blk, attn.n_kv_heads, -1)  # [R*L, Hkv, D]
             vb = vb.transpose(1, 2).reshape(r * k_blk, attn.n_kv_heads, -1)
             out = batch.attend(attn, li, q, kb, vb).view(r, k_blk, -1)  # [R, L, Hq*D]
@@ -297,8 +296,7 @@ class Drafter(nn.Module):
             attn = layer.self_attn
             kc, vc = attn.project_kv(ctx, cos_c, sin_c)
             h = layer.input_layernorm(x)
-            q = attn.project_q(h, cos_b, sin_b)
-            kb, vb = attn.project_kv(h, cos_b, sin_b)
+            q, kb, vb = attn.project_qkv(h, cos_b, sin_b)
             x = x + attn.attend(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = self.norm(x).view(b, nb, k_blk, -1)

@@ -130,6 +130,21 @@ class Q4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, self.packed, self.d, self.m)  # [..., N] in x's dtype
 
+    @staticmethod
+    def fuse(mods: tuple[Q4Linear, ...]) -> Q4Linear:
+        """One module over the members' outputs side by side (`layers.fused`): their packed blocks
+        concatenated (blocks of 16 outputs are computed independently: the same bits), the members'
+        buffers then views into it (no second copy)."""
+        out = Q4Linear.__new__(Q4Linear)
+        nn.Module.__init__(out)
+        out.in_features, out.out_features, out._kernel = mods[0].in_features, sum(m.out_features for m in mods), mods[0]._kernel
+        for name in ("packed", "d", "m"):
+            whole = torch.cat([getattr(m, name) for m in mods])  # [sum N/16, K/32, ...]
+            out.register_buffer(name, whole)
+            for m, part in zip(mods, whole.split([m.out_features // q4_cpu.BLOCK for m in mods])):
+                setattr(m, name, part)
+        return out
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 x int8 activations, group {GROUP}"
 

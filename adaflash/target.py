@@ -148,8 +148,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.project_q(h, cos, sin)
-            k, v = attn.project_kv(h, cos, sin)
+            q, k, v = attn.project_qkv(h, cos, sin)
             cache.k[i][:, :, start:end] = k
             cache.v[i][:, :, start:end] = v
             if kernel:
@@ -203,8 +202,8 @@ class TargetModel(nn.Module):
         for li, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.project_q(h, cos, sin)[0].transpose(0, 1)  # [N, Hq, D]
-            k, v = attn.project_kv(h, cos, sin)  # [1, Hkv, N, D]
+            q, k, v = attn.project_qkv(h, cos, sin)  # [1, Hq, N, D], [1, Hkv, N, D] x 2
+            q = q[0].transpose(0, 1)  # [N, Hq, D]
             out = batch.attend(attn, li, q, k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, Hq*D]
             x = x + attn.o_proj(out[None])
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -137,3 +137,23 @@ def test_ragged_forward_gives_each_request_the_bits_it_gets_alone():
         for i, t in enumerate(new):
             ref, _ = target(t[None], refs[i])
             assert torch.equal(logits[i], ref[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projections_are_the_separate_ones_and_follow_weight_changes(dtype):
+    """q/k/v (and gate/up) of one input in one matmul: the separate calls' values, rebuilt when a weight
+    changes, not used with autograd on; `prepack` packs the fused form instead of its members."""
+    from adaflash.layers import MLP, Attention, fused, prepack
+
+    torch.manual_seed(0)
+    attn, mlp = Attention(64, 4, 2, 16, False, 1e-6).to(dtype), MLP(64, 128).to(dtype)
+    group = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(1, 5, 64).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    with torch.no_grad():
+        torch.testing.assert_close(fused(attn, group, x), torch.cat([m(x) for m in group], -1), **tol)
+        attn.k_proj.weight.mul_(2)  # a weight update (optimizer step, load) bumps its version
+        torch.testing.assert_close(fused(attn, group, x)[..., 64:96], attn.k_proj(x), **tol)
+        prepack(attn, mlp)
+        assert "_fused" in mlp.__dict__ and "_pack" not in mlp.gate_proj.__dict__ and "_pack" in mlp.down_proj.__dict__
+    assert fused(attn, group, x) is None  # autograd on: the separate modules (training)

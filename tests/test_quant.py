@@ -167,6 +167,10 @@ def test_q4_kernel_rows_are_their_own():
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="outputs in 16s"):
         Q4Linear(q[:40], d[:40], m[:40])
+    other = Q4Linear(q[:32].flip(0), d[:32], m[:32])
+    both = Q4Linear.fuse((lin, other))  # q/k/v side by side (layers.fused): the same bits, members now views into it
+    assert torch.equal(both(x), torch.cat([alone, other(x)], -1)) and torch.equal(lin(x), alone)
+    assert lin.packed.data_ptr() == both.packed.data_ptr()
 
 
 @needs_q4
