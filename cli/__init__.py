@@ -253,11 +253,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(
             "--interleave runs engine methods side by side: not with -fullvocab (it switches the shared drafter) or vllm peers"
         )
-    if args.steady and (args.min_requests <= max(concurrency) or any(is_peer(m) for m in methods)):
+    if args.waves < 0:
+        raise UsageError(f"--waves must be >= 0, got {args.waves}")
+    if args.steady and ((args.waves < 2 and args.min_requests <= max(concurrency)) or any(is_peer(m) for m in methods)):
         raise UsageError(
-            f"--steady needs --min-requests above the highest concurrency {max(concurrency)} (e.g. "
-            f"{4 * max(concurrency)}; got {args.min_requests}) and engine methods only (peers: "
-            f"{[m for m in methods if is_peer(m)] or 'none'})"
+            f"--steady needs more requests than concurrency in every cell (--waves 4, or --min-requests above "
+            f"{max(concurrency)}; got --waves {args.waves}, --min-requests {args.min_requests}) and engine methods "
+            f"only (peers: {[m for m in methods if is_peer(m)] or 'none'})"
         )
     shift = _shift_args(args, methods, concurrency)
     target = load_target(args.target, args.dtype)
@@ -285,6 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "lookup_min_ngram": args.lookup_min_ngram,
         "interleave": args.interleave,
         "steady": args.steady,
+        "waves": args.waves,
     }
     if shift:
         from adaflash.pipelines.bench import shift_bench, write_shift
@@ -334,6 +337,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         on_cell=lambda done: write_bench(done, meta, Path(args.out), plots=False),
         interleave=args.interleave,
         steady=args.steady,
+        waves=args.waves,
     )
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
@@ -588,8 +592,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--steady",
         action="store_true",
         help="engine methods report their steady throughput: the steps with requests still waiting (a server "
-        "under sustained load), not the last wave's drain; needs --min-requests above every concurrency (4x: "
-        "three waves of backlog) and no peers",
+        "under sustained load), not the last wave's drain; needs --waves 2 or more (or --min-requests above "
+        "every concurrency) and no peers",
+    )
+    b.add_argument(
+        "--waves",
+        type=int,
+        default=0,
+        help="each cell runs at least this many times its concurrency in requests (with --steady: 4 gives three "
+        "waves of backlog at every concurrency)",
     )
     _add_prompt_args(b, "eval", 8)
     b.set_defaults(func=cmd_bench)

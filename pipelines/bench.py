@@ -346,10 +346,11 @@ def bench(
     on_cell: Callable[[list[dict]], None] | None = None,
     interleave: bool = False,
     steady: bool = False,
+    waves: int = 0,
 ) -> list[dict]:
-    """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, concurrency)
-    prompts of its domain (all of them when min_requests is 0), so low concurrency stays affordable;
-    a domain with fewer prompts than that serves them again, in order, until the count is met.
+    """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, waves x
+    concurrency, concurrency) prompts of its domain (all of them when both are 0), so low concurrency stays
+    affordable; a domain with fewer prompts than that serves them again, in order, until the count is met.
     `steady`: an engine method's tok/s is its steady rate (`lockstep`: the steps that ended with
     requests still waiting, as a server under sustained load sees), the whole run's in `whole_tokens_per_s`.
     `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`.
@@ -357,18 +358,18 @@ def bench(
     `interleave`: the engine methods of a cell run in lockstep, one step each in turn (`run_interleaved`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if steady and (min_requests <= max(concurrency) or any(is_peer(m) for m in methods)):
+    if steady and ((waves < 2 and min_requests <= max(concurrency)) or any(map(is_peer, methods))):
         raise ValueError(
-            "steady throughput needs more requests than the highest concurrency (min_requests, e.g. 4x it) "
-            f"and engine methods only (peers report whole runs); got min_requests {min_requests}, concurrency "
-            f"{max(concurrency)}, peers {[m for m in methods if is_peer(m)]}"
+            "steady throughput needs more requests than concurrency in every cell (waves >= 2, or min_requests "
+            f"above the highest concurrency) and engine methods only (peers report whole runs); got min_requests "
+            f"{min_requests}, waves {waves}, concurrency {max(concurrency)}, peers {[m for m in methods if is_peer(m)]}"
         )
     rows = []
     cells = [(d, c) for d in prompts_by_domain for c in concurrency]
 
     def cell_prompts(domain: str, conc: int) -> list[BenchPrompt]:
         prompts = prompts_by_domain[domain]
-        n = max(min_requests, conc) if min_requests else len(prompts)
+        n = max(min_requests, waves * conc, conc) if min_requests or waves else len(prompts)
         return [prompts[i % len(prompts)] for i in range(n)]
 
     from adaflash.pipelines.roofline import machine_limits, step_fraction, target_costs

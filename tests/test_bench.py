@@ -265,5 +265,7 @@ def test_bench_steady_cycles_prompts_and_times_the_full_batch(tiny_hf_dir, tiny_
         assert 0 < r["steady_s"] < r["wall_s"] and r["tokens_per_s"] == r["steady_tokens_per_s"] > 0
         assert r["whole_tokens_per_s"] == pytest.approx(r["committed_tokens"] / r["wall_s"])
     assert "steady tok/s" in (tmp_path / "b" / "report.md").read_text()
+    assert main([*common, "--methods", "ar", "--waves", "3", "--steady"]) == 0  # 3 and 6 requests at concurrency 1 and 2
+    assert [r["n_requests"] for r in json.loads((tmp_path / "b" / "results.json").read_text())["rows"]] == [3, 6]
     assert main([*common, "--methods", "ar,fixed2", "--min-requests", "2", "--steady"]) == 2  # not above concurrency 2
     assert main([*common, "--methods", "ar,hf", "--min-requests", "7", "--steady"]) == 2  # a peer's run is whole
