@@ -7,6 +7,10 @@ per-head q/k RMSNorm as in Qwen3), SwiGLU MLP. Module names follow the Hugging F
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,20 +71,48 @@ PACKED_DTYPES = _mkldnn_dtypes()
 BF16_ROWS = 32  # rows per packed bfloat16 call (`Linear.forward`)
 
 
+_SEQUENCES: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("sequences", default=None)
+
+
+@contextlib.contextmanager
+def prompt_rows(lens: list[int]):
+    """Inside: a bfloat16 call over exactly these prompts' rows (sum(lens)) multiplies each prompt's rows in
+    one call of their own (`packed_mm`), unchunked. A prompt's bits then depend on the prompt alone, as
+    the 32-row chunks would make them, and AMX runs a 94-row prompt in one call instead of three."""
+    token = _SEQUENCES.set(tuple(lens))
+    try:
+        yield
+    finally:
+        _SEQUENCES.reset(token)
+
+
 def packed_mm(flat: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """flat [M, K] @ a oneDNN-packed weight (`Linear._packed`) -> [M, N], each row's bits its own.
 
     bfloat16 goes in calls of at most 32 rows: on a CPU with AMX, oneDNN's sums for a call of more rows
     depend on where a row falls (1 to 37 of 40 rows got other bits than alone, by shape); up to 32 rows a
-    row is its own there too, and such a call costs about what one row does. One row goes through the
-    2-row path: the 1-row kernel sums in another order for some shapes (SmolLM2's down_proj, in 1,536), so
-    a token decoded alone got other last bits than the same token in a verify block. Same cost."""
+    row is its own there too, and such a call costs about what one row does. Prompts (`prompt_rows`) go
+    one call each instead. One row goes through the 2-row path: the 1-row kernel sums in another order
+    for some shapes (SmolLM2's down_proj, in 1,536), so a token decoded alone got other last bits than
+    the same token in a verify block. Same cost."""
     rows = flat.shape[0]
     if rows == 1:
         return torch.ops.mkldnn._linear_pointwise(flat.expand(2, -1).contiguous(), pack, bias, "none", [], "")[:1]
     if rows <= BF16_ROWS or flat.dtype != torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(flat, pack, bias, "none", [], "")
+    lens = _SEQUENCES.get()
+    if lens is not None and sum(lens) == rows:
+        bounds = [0, *itertools.accumulate(lens)]
+        parts = [_whole(flat[a:b], pack, bias) for a, b in zip(bounds, bounds[1:])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     return torch.cat([packed_mm(flat[i : i + BF16_ROWS], pack, bias) for i in range(0, rows, BF16_ROWS)])
+
+
+def _whole(flat: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One call over all rows of flat [M, K] (one row through the 2-row path, as in `packed_mm`)."""
+    if flat.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(flat.expand(2, -1).contiguous(), pack, bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(flat, pack, bias, "none", [], "")
 
 
 def fused(owner: nn.Module, mods: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor | None:

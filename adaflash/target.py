@@ -8,6 +8,7 @@ any local Hugging Face directory (config.json + safetensors + tokenizer files).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -19,7 +20,7 @@ from torch import nn
 
 from adaflash.kernels import attention_cpu
 from adaflash.kvcache import KVCache, KVPool, Ragged, one_block, pool_of
-from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack
+from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack, prompt_rows
 
 
 @dataclass
@@ -145,19 +146,20 @@ class TargetModel(nn.Module):
 
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         feats = []
-        for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = attn.project_qkv(h, cos, sin)
-            cache.k[i][:, :, start:end] = k
-            cache.v[i][:, :, start:end] = v
-            if kernel:
-                x = x + attn.o_proj(attention_cpu.ragged_attention(q[0].transpose(0, 1), cache.k[i], cache.v[i], *kernel)[None])
-            else:
-                x = x + attn.attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in self.feature_layers:
-                feats.append(x)
+        with prompt_rows([t] * b):  # a sequence's rows in one call: its bits its own, as in forward_packed's prefill
+            for i, layer in enumerate(self.model.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q, k, v = attn.project_qkv(h, cos, sin)
+                cache.k[i][:, :, start:end] = k
+                cache.v[i][:, :, start:end] = v
+                if kernel:
+                    x = x + attn.o_proj(attention_cpu.ragged_attention(q[0].transpose(0, 1), cache.k[i], cache.v[i], *kernel)[None])
+                else:
+                    x = x + attn.attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], mask)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                if i in self.feature_layers:
+                    feats.append(x)
         h = self.model.norm(x[:, -1:] if logits_last_only else x)
         logits = self.lm_head(h).float()
         return logits, torch.cat(feats, dim=-1)
@@ -199,16 +201,17 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(torch.cat(pos, dim=1), self.dtype)  # [1, 1, N, D]
         x = self.model.embed_tokens(torch.cat(tokens)[None])  # [1, N, H]
         feats = []
-        for li, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = attn.project_qkv(h, cos, sin)  # [1, Hq, N, D], [1, Hkv, N, D] x 2
-            q = q[0].transpose(0, 1)  # [N, Hq, D]
-            out = batch.attend(attn, li, q, k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, Hq*D]
-            x = x + attn.o_proj(out[None])
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if li in self.feature_layers:
-                feats.append(x)
+        with prompt_rows(lens) if logits_last_only else contextlib.nullcontext():  # a prefill: each prompt in one call
+            for li, layer in enumerate(self.model.layers):
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q, k, v = attn.project_qkv(h, cos, sin)  # [1, Hq, N, D], [1, Hkv, N, D] x 2
+                q = q[0].transpose(0, 1)  # [N, Hq, D]
+                out = batch.attend(attn, li, q, k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, Hq*D]
+                x = x + attn.o_proj(out[None])
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                if li in self.feature_layers:
+                    feats.append(x)
         feats = torch.cat(feats, dim=-1)[0]  # [N, n*H]
         feats = [feats[a:b] for a, b in zip(bounds, bounds[1:])]
         if logits_last_only:

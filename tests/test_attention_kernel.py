@@ -157,3 +157,21 @@ def test_fused_projections_are_the_separate_ones_and_follow_weight_changes(dtype
         prepack(attn, mlp)
         assert "_fused" in mlp.__dict__ and "_pack" not in mlp.gate_proj.__dict__ and "_pack" in mlp.down_proj.__dict__
     assert fused(attn, group, x) is None  # autograd on: the separate modules (training)
+
+
+def test_prompt_rows_give_a_prompt_its_own_bits_wherever_it_is_packed():
+    """A prefill packs several prompts into one call; inside `prompt_rows` each prompt's bf16 rows go in one
+    call of their own, so a prompt gets the bits it gets alone, in any company (AMX or not)."""
+    from adaflash.layers import prompt_rows
+
+    torch.manual_seed(0)
+    lin = Linear(576, 576, bias=False).to(torch.bfloat16)
+    x = torch.randn(130, 576).to(torch.bfloat16)
+    with torch.no_grad():
+        with prompt_rows([40, 1, 89]):
+            packed = lin(x)
+        for a, b in ((0, 40), (40, 41), (41, 130)):
+            with prompt_rows([b - a]):
+                assert torch.equal(lin(x[a:b]), packed[a:b]), (a, b)
+        with prompt_rows([50]):  # rows that are not exactly the prompts': the 32-row calls
+            assert torch.equal(lin(x[:60]), torch.cat([lin(x[:32]), lin(x[32:60])]))
