@@ -96,20 +96,18 @@ def packed_mm(flat: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None 
     for some shapes (SmolLM2's down_proj, in 1,536), so a token decoded alone got other last bits than
     the same token in a verify block. Same cost."""
     rows = flat.shape[0]
-    if rows == 1:
-        return torch.ops.mkldnn._linear_pointwise(flat.expand(2, -1).contiguous(), pack, bias, "none", [], "")[:1]
     if rows <= BF16_ROWS or flat.dtype != torch.bfloat16:
-        return torch.ops.mkldnn._linear_pointwise(flat, pack, bias, "none", [], "")
+        return _one_call(flat, pack, bias)
     lens = _SEQUENCES.get()
-    if lens is not None and sum(lens) == rows:
-        bounds = [0, *itertools.accumulate(lens)]
-        parts = [_whole(flat[a:b], pack, bias) for a, b in zip(bounds, bounds[1:])]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-    return torch.cat([packed_mm(flat[i : i + BF16_ROWS], pack, bias) for i in range(0, rows, BF16_ROWS)])
+    if lens is None or sum(lens) != rows:
+        lens = [min(BF16_ROWS, rows - i) for i in range(0, rows, BF16_ROWS)]
+    bounds = [0, *itertools.accumulate(lens)]
+    parts = [_one_call(flat[a:b], pack, bias) for a, b in zip(bounds, bounds[1:])]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _whole(flat: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One call over all rows of flat [M, K] (one row through the 2-row path, as in `packed_mm`)."""
+def _one_call(flat: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One oneDNN call over all rows of flat [M, K] (one row through the 2-row path, see `packed_mm`)."""
     if flat.shape[0] == 1:
         return torch.ops.mkldnn._linear_pointwise(flat.expand(2, -1).contiguous(), pack, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(flat, pack, bias, "none", [], "")
@@ -130,18 +128,22 @@ def fused(owner: nn.Module, mods: tuple[nn.Module, ...], x: torch.Tensor) -> tor
         if not first._packable(x) or any(type(m) is not Linear or m.bias is not None or m.weight.dtype != x.dtype for m in mods):
             return None
         key = tuple((m.weight.data_ptr(), m.weight._version) for m in mods)
+
+        def build():
+            pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in mods]), 16)
+            return lambda flat: packed_mm(flat, pack)
+
     elif hasattr(type(first), "fuse") and all(type(m) is type(first) for m in mods):
         key = tuple(id(m) for m in mods)
+
+        def build():
+            return type(first).fuse(mods)  # e.g. Q4Linear: one module over the members' blocks
+
     else:
         return None
     cached = owner.__dict__.get("_fused")
     if cached is None or cached[0] != key:
-        if type(first) is Linear:
-            pack = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in mods]), 16)
-            call = lambda flat: packed_mm(flat, pack)  # noqa: E731
-        else:
-            call = type(first).fuse(mods)  # e.g. Q4Linear: one module over the members' blocks
-        owner.__dict__["_fused"] = cached = (key, call)
+        owner.__dict__["_fused"] = cached = (key, build())
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
     out = cached[1](flat)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -192,8 +194,7 @@ def prepack(*modules: nn.Module) -> None:
         members = set()
         with torch.no_grad():
             for m in module.modules():
-                group = (m.q_proj, m.k_proj, m.v_proj) if isinstance(m, Attention) else ()
-                group = (m.gate_proj, m.up_proj) if isinstance(m, MLP) else group
+                group = m.same_input() if isinstance(m, (Attention, MLP)) else ()
                 dtype = getattr(getattr(group[0], "weight", None), "dtype", torch.float32) if group else None
                 if group and fused(m, group, torch.zeros(1, group[0].in_features, dtype=dtype)) is not None:
                     members.update(id(g) for g in group)  # called fused from now on: no packed copy of their own
@@ -218,8 +219,12 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
+    def same_input(self) -> tuple[nn.Module, ...]:
+        """The projections of one input, which `fused` may run as one matmul."""
+        return self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = fused(self, (self.gate_proj, self.up_proj), x)
+        gu = fused(self, self.same_input(), x)
         if gu is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         g, u = gu.split(self.gate_proj.out_features, dim=-1)
@@ -258,10 +263,14 @@ class Attention(nn.Module):
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         return rotary_heads(k, cos, sin), v.transpose(1, 2)  # [B, Hkv, T, D] each
 
+    def same_input(self) -> tuple[nn.Module, ...]:
+        """The projections of one input, which `fused` may run as one matmul."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`project_q` and `project_kv` of the same x, in one matmul where they fuse (`fused`) -> q [B, H, T, D],
         k, v [B, Hkv, T, D]. Every forward that projects q, k and v of one input calls this."""
-        qkv = fused(self, (self.q_proj, self.k_proj, self.v_proj), x)
+        qkv = fused(self, self.same_input(), x)
         if qkv is None:
             return self.project_q(x, cos, sin), *self.project_kv(x, cos, sin)
         b, t, _ = x.shape

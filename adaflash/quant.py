@@ -80,6 +80,14 @@ def q8_0_unpack(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks[..., 2:].copy().view(np.int8).reshape(n, -1), d
 
 
+def _q4_kernel():
+    """The q4 kernel's extension; where it cannot be built the q4 dtype cannot be made."""
+    kernel = q4_cpu.load()
+    if kernel is None:
+        raise RuntimeError("the q4 kernel could not be built here (see the warning above): use int4, bfloat16 or float32")
+    return kernel
+
+
 class Int4Linear(nn.Module):
     """Bias-free y = x @ w.T with w = d*q + m per group of 32 inputs, on the CPU int4 kernel.
 
@@ -117,9 +125,7 @@ class Q4Linear(nn.Module):
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         super().__init__()
-        kernel = q4_cpu.load()
-        if kernel is None:
-            raise RuntimeError("the q4 kernel could not be built here (see the warning above): use int4, bfloat16 or float32")
+        kernel = _q4_kernel()
         packed, dp, mp = q4_cpu.pack(q, d, m)
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.register_buffer("packed", packed)  # [N/16, K/32, 256] uint8
@@ -158,9 +164,7 @@ class Q8Head(Linear):
 
     def __init__(self, weight: nn.Parameter, s: torch.Tensor, d: torch.Tensor):
         super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        kernel = q4_cpu.load()
-        if kernel is None:
-            raise RuntimeError("the q4 kernel could not be built here (see the warning above): use int4, bfloat16 or float32")
+        kernel = _q4_kernel()
         if s.shape != weight.shape:
             raise ValueError(f"Q8_0 head {tuple(s.shape)} does not match the LM head {tuple(weight.shape)}")
         self.weight = weight

@@ -224,10 +224,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         HF_METHODS,
         VLLM_METHODS,
         bench,
-        is_peer,
         is_vllm,
         known_method,
         split_method,
+        steady_problem,
         write_bench,
     )
 
@@ -255,12 +255,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     if args.waves < 0:
         raise UsageError(f"--waves must be >= 0, got {args.waves}")
-    if args.steady and ((args.waves < 2 and args.min_requests <= max(concurrency)) or any(is_peer(m) for m in methods)):
-        raise UsageError(
-            f"--steady needs more requests than concurrency in every cell (--waves 4, or --min-requests above "
-            f"{max(concurrency)}; got --waves {args.waves}, --min-requests {args.min_requests}) and engine methods "
-            f"only (peers: {[m for m in methods if is_peer(m)] or 'none'})"
-        )
+    if args.steady and (why := steady_problem(methods, concurrency, args.min_requests, args.waves)):
+        raise UsageError(why)  # before the models load
     shift = _shift_args(args, methods, concurrency)
     target = load_target(args.target, args.dtype)
     drafter, head = load_drafter_and_head(args.drafter, target, args.drafter_dtype)

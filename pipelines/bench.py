@@ -174,14 +174,17 @@ def lockstep(
     states: dict[str, list] = {m: [] for m in engines}
     wall = dict.fromkeys(engines, 0.0)
     steady = dict.fromkeys(engines, (0, 0.0))
-    out_len = lambda m: sum(len(s.out) for s in engines[m].running) + sum(len(s.out) for s in states[m])  # noqa: E731
+    finished = dict.fromkeys(engines, 0)  # tokens of the requests each engine has finished
+    out_len = lambda m: finished[m] + sum(len(s.out) for s in engines[m].running)  # noqa: E731
     live = [m for m in engines if not engines[m].idle]
     while live:
         for m in rng.sample(live, len(live)):
             before = out_len(m)
             t0 = time.perf_counter()
-            states[m] += engines[m].step()
+            done = engines[m].step()
             dt = time.perf_counter() - t0
+            states[m] += done
+            finished[m] += sum(len(s.out) for s in done)
             wall[m] += dt
             if engines[m].waiting:
                 n, t = steady[m]
@@ -328,6 +331,20 @@ def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPro
     return out
 
 
+def steady_problem(methods: list[str], concurrency: list[int], min_requests: int, waves: int) -> str | None:
+    """Why steady throughput cannot be measured with these settings, or None: every cell needs more requests
+    than its concurrency (waves >= 2, or min_requests above the highest concurrency), and only engine
+    methods are timed per step (peers report whole runs)."""
+    peers = [m for m in methods if is_peer(m)]
+    if (waves < 2 and min_requests <= max(concurrency)) or peers:
+        return (
+            f"--steady needs more requests than concurrency in every cell (--waves 4, or --min-requests above "
+            f"{max(concurrency)}; got --waves {waves}, --min-requests {min_requests}) and engine methods only "
+            f"(peers: {peers or 'none'})"
+        )
+    return None
+
+
 def bench(
     target,
     drafter,
@@ -358,12 +375,8 @@ def bench(
     `interleave`: the engine methods of a cell run in lockstep, one step each in turn (`run_interleaved`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if steady and ((waves < 2 and min_requests <= max(concurrency)) or any(map(is_peer, methods))):
-        raise ValueError(
-            "steady throughput needs more requests than concurrency in every cell (waves >= 2, or min_requests "
-            f"above the highest concurrency) and engine methods only (peers report whole runs); got min_requests "
-            f"{min_requests}, waves {waves}, concurrency {max(concurrency)}, peers {[m for m in methods if is_peer(m)]}"
-        )
+    if steady and (why := steady_problem(methods, concurrency, min_requests, waves)):
+        raise ValueError(why)
     rows = []
     cells = [(d, c) for d in prompts_by_domain for c in concurrency]
 
