@@ -90,14 +90,15 @@ def test_a_query_has_the_same_bits_in_any_block_tree_batch_or_thread_count():
 def test_linear_gives_a_row_the_same_bits_alone_or_among_others(dtype):
     """oneDNN multiplies a single row in another order for some shapes (in_features 1,536 here);
     `Linear` sends it through the multi-row path. On an AMX CPU oneDNN's bfloat16 sums depend on a row's
-    place in calls of more than 32 rows; `Linear` splits those (a prefill, a large verify step)."""
+    place in calls of more than 32 rows; `Linear` splits those (a prefill, a large verify step), or
+    multiplies on AMX tiles of its own (kernels/amx_cpu.py), whose rows are their own in any call."""
     torch.manual_seed(0)
     for k, n in ((576, 576), (1536, 576), (576, 4096)):
         lin = Linear(k, n, bias=False).to(dtype)
         x = torch.randn(100, k).to(dtype)
         with torch.no_grad():
             together = lin(x)
-            for rows in (1, 2, 7, 33, 40):
+            for rows in (1, 2, 7, 33, 40, 99):
                 for i in range(0, 100 - rows, rows):
                     assert torch.equal(lin(x[i : i + rows]), together[i : i + rows]), (k, n, rows, i)
 
