@@ -30,6 +30,7 @@ from torch import nn
 from adaflash.kvcache import KVCache, KVPool, Ragged, packed_slots, pool_of
 from adaflash.layers import DecoderLayer, RMSNorm, Rotary, frozen_linear, prepack
 from adaflash.length_head import LengthHead, has_length_head, load_length_head
+from adaflash.spec import greedy
 from adaflash.target import TargetModel
 
 WEIGHTS = "model.safetensors"
@@ -264,7 +265,7 @@ class Drafter(nn.Module):
 
     def draft_ids(self, h: torch.Tensor) -> torch.Tensor:
         """Greedy drafts for block hidden states h [..., H] -> full-vocabulary ids [...]."""
-        j = self.draft_head(h).argmax(-1)
+        j = greedy(self.draft_head(h))
         return j if self.vocab is None else self.vocab[j]
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ import torch
 from adaflash.buffer import Round, Trajectory
 from adaflash.drafter import Drafter
 from adaflash.kvcache import KVCache, KVPool
-from adaflash.spec import build_tree, graft, lookup_chain, pick, propose, tree_mask, verify, verify_tree_greedy
+from adaflash.spec import build_tree, graft, greedy, lookup_chain, pick, propose, tree_mask, verify, verify_tree_greedy
 from adaflash.target import TargetModel
 
 
@@ -628,13 +628,13 @@ class Engine:
             child = next((i for i, q in enumerate(parents, 1) if q == keep[-1]), None)  # the best candidate where it stopped
             walked = path + ([child] if child is not None else [])
             draft = [tokens[i - 1] for i in walked]  # the path the walk took, as a chain
-            target = logits[keep[: len(walked)]].argmax(-1).tolist()  # the target's token after each one's parent
+            target = greedy(logits[keep[: len(walked)]]).tolist()  # the target's token after each one's parent
         else:
             k = p.verify_len - 1
             n, nxt = verify(p.draft, p.q, logits, st.req.temperature, st.gen)
             st.tcache.crop(st.tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
             keep = list(range(1 + n))
-            draft, target = p.draft.tolist(), logits[:k].argmax(-1).tolist()
+            draft, target = p.draft.tolist(), greedy(logits[:k]).tolist()
         n = len(keep) - 1
         before = len(st.out)
         st.rounds.append(

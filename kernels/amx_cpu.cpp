@@ -58,7 +58,7 @@ inline void store_rows(const float* buf, int64_t rows, at::BFloat16* out, int64_
   }
 }
 
-// out[m0 .. m0 + rows, 16 nb .. 16 nb + 16 * nn) for nn = 1 or 2 output blocks; x rows padded to 32
+// out[0 .. rows, 16 nb .. 16 nb + 16 * nn) for nn = 1 or 2 output blocks from 32 rows of x (rows beyond `rows` read, never stored)
 template <int NN>
 void block(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t kb, int64_t rows, at::BFloat16* out, int64_t n) {
   alignas(64) float buf[2 * TILE * 32];
@@ -117,10 +117,12 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   auto out = torch::empty({m, n}, x.options());
 #if HAVE_AMX
   if (m == 0) return out;
-  const int64_t mp = (m + 31) / 32 * 32;
-  auto xp = torch::zeros({mp, k}, x.options());  // rows padded to whole A tiles (padding rows are never stored)
-  xp.narrow(0, 0, m).copy_(x);
-  const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
+  x = x.contiguous();
+  const int64_t full = m / 32 * 32;  // rows read from x in place; the rest from a zero-padded copy of 32 rows
+  auto tail = m > full ? torch::zeros({32, k}, x.options()) : torch::Tensor();
+  if (m > full) tail.narrow(0, 0, m - full).copy_(x.narrow(0, full, m - full));
+  const at::BFloat16* xd = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* td = m > full ? tail.data_ptr<at::BFloat16>() : nullptr;
   const at::BFloat16* wd = packed.data_ptr<at::BFloat16>();
   at::BFloat16* od = out.data_ptr<at::BFloat16>();
   const int64_t pairs = (nb + 1) / 2;
@@ -133,10 +135,11 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
         const at::BFloat16* w = wd + b * kb * 512;
         for (int64_t r = c0; r < c1; r += 32) {
           const int64_t rows = std::min<int64_t>(32, c1 - r);
+          const at::BFloat16* a = r < full ? xd + r * k : td;  // A tiles always read 16 whole rows
           if (b + 1 < nb)
-            block<2>(xd + r * k, k, w, kb, rows, od + r * n + b * TILE, n);
+            block<2>(a, k, w, kb, rows, od + r * n + b * TILE, n);
           else
-            block<1>(xd + r * k, k, w, kb, rows, od + r * n + b * TILE, n);
+            block<1>(a, k, w, kb, rows, od + r * n + b * TILE, n);
         }
       }
       _tile_release();  // leave the tiles unconfigured: oneDNN configures its own before it uses them
