@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -137,12 +138,21 @@ void weighted_values(int64_t q0, const float* s, int64_t width, const T* vb, con
   }
 }
 
-// All queries of an item in groups of G (G * NV accumulators stay in registers), the rest one by one.
+// All queries of an item in groups of G (G * NV accumulators stay in registers), the rest in groups of 3,
+// 2 and 1 (a decoding step's item is the 3 query heads of one KV head: one pass over V, not three)
 template <int NV, int G, typename T>
 void values_all(int64_t nq, const float* s, int64_t width, const T* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
                 int64_t n, const int64_t* len, int64_t d, const float* sums, float* op, const int64_t* qo) {
   int64_t q0 = 0;
   for (; q0 + G <= nq; q0 += G) weighted_values<NV, G, T>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
+  if (G > 3 && q0 + 3 <= nq) {
+    weighted_values<NV, (G > 3 ? 3 : 1), T>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
+    q0 += 3;
+  }
+  if (G > 2 && q0 + 2 <= nq) {
+    weighted_values<NV, (G > 2 ? 2 : 1), T>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
+    q0 += 2;
+  }
   for (; q0 < nq; ++q0) weighted_values<NV, 1, T>(q0, s, width, vb, cs, nc, blk, n, len, d, sums, op, qo);
 }
 
@@ -209,7 +219,7 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
   at::parallel_for(0, static_cast<int64_t>(items.size() / 4), 1, [&](int64_t lo, int64_t hi) {
     std::vector<int32_t> blk;
     std::vector<int64_t> len, qo;
-    std::vector<float> s, sums;
+    std::vector<float> s, sums, keys(16 * d);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = items[4 * it], h = items[4 * it + 1], q0 = items[4 * it + 2], nq = items[4 * it + 3] - q0;
       const int64_t row = rq[b * 6], a = rq[b * 6 + 1], n = rq[b * 6 + 2], first = rq[b * 6 + 3], mode = rq[b * 6 + 4],
@@ -227,7 +237,16 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
       for (; c0 + 16 <= nc; c0 += 16) {  // context scores, 16 keys at a time for every query of the item
         const T* kr[16];
         for (int j = 0; j < 16; ++j) kr[j] = kb + static_cast<int64_t>(cs[c0 + j]) * d;
-        for (int64_t qi = 0; qi < nq; ++qi) store(s.data() + qi * width + c0, score16(qp + qo[qi], kr, d, sc));
+        if (std::is_same<T, float>::value || nq == 1) {
+          for (int64_t qi = 0; qi < nq; ++qi) store(s.data() + qi * width + c0, score16(qp + qo[qi], kr, d, sc));
+        } else {  // bfloat16 keys widened once for all the item's queries (exact: the same floats, the same bits)
+          const float* kf[16];
+          for (int j = 0; j < 16; ++j) {
+            for (int64_t x = 0; x < d; x += 16) store(keys.data() + j * d + x, load(kr[j] + x));
+            kf[j] = keys.data() + j * d;
+          }
+          for (int64_t qi = 0; qi < nq; ++qi) store(s.data() + qi * width + c0, score16(qp + qo[qi], kf, d, sc));
+        }
       }
       for (; c0 < nc; ++c0)
         for (int64_t qi = 0; qi < nq; ++qi) s[qi * width + c0] = score(qp + qo[qi], kb + static_cast<int64_t>(cs[c0]) * d, d, sc);
