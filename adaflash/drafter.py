@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaflash.kvcache import KVCache, KVPool, Ragged, packed_slots, pool_of
-from adaflash.layers import DecoderLayer, RMSNorm, Rotary, frozen_linear, prepack
+from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, frozen_linear, prepack
 from adaflash.length_head import LengthHead, has_length_head, load_length_head
 from adaflash.spec import greedy
 from adaflash.target import TargetModel
@@ -91,7 +91,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = config
         n_feat = len(config.target_layer_ids)
-        self.fc = nn.Linear(n_feat * config.hidden_size, config.hidden_size, bias=False)
+        self.fc = Linear(n_feat * config.hidden_size, config.hidden_size, bias=False)  # packed on CPU inference
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         c = config
         self.layers = nn.ModuleList(
