@@ -60,7 +60,8 @@ inline void store_rows(const float* buf, int64_t rows, at::BFloat16* out, int64_
 
 // out[0 .. rows, 16 nb .. 16 nb + 16 * nn) for nn = 1 or 2 output blocks from 32 rows of x (rows beyond `rows` read, never stored)
 template <int NN>
-void block(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t kb, int64_t rows, at::BFloat16* out, int64_t n) {
+void block(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t kb, int64_t rows, at::BFloat16* out, int64_t n,
+           const char* next) {
   alignas(64) float buf[2 * TILE * 32];
   const bool two = rows > TILE;  // a second A tile only where it has rows: rows are independent either way
   _tile_zero(0);
@@ -68,6 +69,8 @@ void block(const at::BFloat16* x, int64_t k, const at::BFloat16* w, int64_t kb, 
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < kb; ++s) {
+    if (next != nullptr)  // the next weight blocks (2 KB a step), fetched from memory while these tiles multiply
+      for (int l = 0; l < 2048; l += 64) _mm_prefetch(next + s * 2048 + l, _MM_HINT_T0);
     _tile_loadd(4, x + s * KSTEP, k * 2);
     _tile_loadd(6, w + s * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -136,10 +139,11 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
         for (int64_t r = c0; r < c1; r += 32) {
           const int64_t rows = std::min<int64_t>(32, c1 - r);
           const at::BFloat16* a = r < full ? xd + r * k : td;  // A tiles always read 16 whole rows
+          const char* next = r == c0 && p + 1 < hi ? reinterpret_cast<const char*>(w + 2 * kb * 512) : nullptr;
           if (b + 1 < nb)
-            block<2>(a, k, w, kb, rows, od + r * n + b * TILE, n);
+            block<2>(a, k, w, kb, rows, od + r * n + b * TILE, n, next);
           else
-            block<1>(a, k, w, kb, rows, od + r * n + b * TILE, n);
+            block<1>(a, k, w, kb, rows, od + r * n + b * TILE, n, next);
         }
       }
       _tile_release();  // leave the tiles unconfigured: oneDNN configures its own before it uses them

@@ -107,6 +107,20 @@ inline v16 score16(const float* q, const T* const* k, int64_t d, float sc) {
   return S * sc;
 }
 
+// scores of one query against its block keys bq[0..nb) (slots; row r of `base` holds slot base_slot + r),
+// 16 at a time as the context's, the rest one by one: the same operations as score() for each
+template <typename K>
+inline void block_scores(const float* q, const K* base, int64_t base_slot, const int32_t* bq, int64_t nb, int64_t d, float sc,
+                         float* out) {
+  int64_t c = 0;
+  for (; c + 16 <= nb; c += 16) {
+    const K* kr[16];
+    for (int j = 0; j < 16; ++j) kr[j] = base + (static_cast<int64_t>(bq[c + j]) - base_slot) * d;
+    store(out + c, score16(q, kr, d, sc));
+  }
+  for (; c < nb; ++c) out[c] = score(q, base + (static_cast<int64_t>(bq[c]) - base_slot) * d, d, sc);
+}
+
 // For the G queries q0.. of an item: out_q [NV * 16] = (sum_c w_q[c] * v[slot c] over the context slots,
 // then over the query's block slots, in that order) / sum_q, with w_q = s + q * width (softmax weights)
 // and the block slots blk + q * n (len[q] of them). The G queries share each context V row as it is
@@ -251,6 +265,13 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
       for (; c0 < nc; ++c0)
         for (int64_t qi = 0; qi < nq; ++qi) s[qi * width + c0] = score(qp + qo[qi], kb + static_cast<int64_t>(cs[c0]) * d, d, sc);
       sums.resize(nq);
+      // a long bfloat16 block (a prefill) is widened once for all the item's queries (exact: the same bits)
+      const bool wide = !std::is_same<T, float>::value && n >= 16 && nq > 1;
+      if (wide) {
+        keys.resize(std::max<int64_t>(16, n) * d);
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t x = 0; x < d; x += 16) store(keys.data() + j * d + x, load(kb + (a + j) * d + x));
+      }
       for (int64_t qi = 0; qi < nq; ++qi) {  // block keys and scores, then each query's softmax weights
         const int64_t i = (q0 + qi) / rep;
         int32_t* bq = blk.data() + qi * n;
@@ -258,7 +279,10 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
         for (int64_t j = 0; j < n; ++j)
           if (mode == 0 ? j <= i : mode == 1 ? true : treep[toff + i * n + j]) bq[nb++] = static_cast<int32_t>(a + j);
         float* sr = s.data() + qi * width;
-        for (int64_t c = 0; c < nb; ++c) sr[nc + c] = score(qp + qo[qi], kb + static_cast<int64_t>(bq[c]) * d, d, sc);
+        if (wide)
+          block_scores(qp + qo[qi], keys.data(), a, bq, nb, d, sc, sr + nc);
+        else
+          block_scores(qp + qo[qi], kb, 0, bq, nb, d, sc, sr + nc);
         len[qi] = nb;
         sums[qi] = softmax_weights(sr, nc + nb);
       }
