@@ -8,11 +8,21 @@
 // operation gives the same bits wherever it runs (in a vector or alone).
 //
 // Per query, over its visible keys in order: s_j = (q . k_j) * scale (16 lanes over the head dim, a
-// fixed halving sum), m = max s, e_j = exp(s_j - m) (one polynomial for every element), their sum
-// over 16 lanes of the visible-key index, out = (sum_j e_j v_j, in key order) / sum. GCC's vector
+// fixed halving sum; or, for bfloat16 K/V on a CPU with AMX, one tile dot product in a fixed order),
+// m = max s, e_j = exp(s_j - m) (one polynomial for every element), their sum over 16 lanes of the
+// visible-key index, out = (sum_j e_j v_j, in key order, a fused multiply-add each) / sum. GCC's vector
 // extensions keep each of these one fixed sequence of IEEE operations on any x86 ISA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -121,6 +131,25 @@ inline void block_scores(const float* q, const K* base, int64_t base_slot, const
   for (; c < nb; ++c) out[c] = score(q, base + (static_cast<int64_t>(bq[c]) - base_slot) * d, d, sc);
 }
 
+// acc + w * v, one fused multiply-add (one rounding) where the CPU has them, else a multiply then an add:
+// the same instruction for every query and key of the value sums on a machine (written out, not left
+// to the compiler, which builds with -ffp-contract=off)
+inline v16 madd(float w, v16 v, v16 acc) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(_mm512_set1_ps(w), reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(acc)));
+#elif defined(__FMA__)
+  typedef float v8f __attribute__((vector_size(32)));
+  const __m256 ws = _mm256_set1_ps(w);
+  const v8f lo = reinterpret_cast<v8f>(_mm256_fmadd_ps(ws, reinterpret_cast<__m256>(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)),
+                                                      reinterpret_cast<__m256>(__builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7))));
+  const v8f hi = reinterpret_cast<v8f>(_mm256_fmadd_ps(ws, reinterpret_cast<__m256>(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                                      reinterpret_cast<__m256>(__builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15))));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return acc + w * v;
+#endif
+}
+
 // For the G queries q0.. of an item: out_q [NV * 16] = (sum_c w_q[c] * v[slot c] over the context slots,
 // then over the query's block slots, in that order) / sum_q, with w_q = s + q * width (softmax weights)
 // and the block slots blk + q * n (len[q] of them). The G queries share each context V row as it is
@@ -137,7 +166,7 @@ void weighted_values(int64_t q0, const float* s, int64_t width, const T* vb, con
     for (int x = 0; x < NV; ++x) v[x] = load(vr + 16 * x);
     for (int g = 0; g < G; ++g) {
       const float wc = s[(q0 + g) * width + c];
-      for (int x = 0; x < NV; ++x) acc[g][x] = acc[g][x] + wc * v[x];
+      for (int x = 0; x < NV; ++x) acc[g][x] = madd(wc, v[x], acc[g][x]);
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -145,7 +174,7 @@ void weighted_values(int64_t q0, const float* s, int64_t width, const T* vb, con
     for (int64_t c = 0; c < len[qi]; ++c) {
       const T* vr = vb + static_cast<int64_t>(blk[qi * n + c]) * d;
       const float wc = s[qi * width + nc + c];
-      for (int x = 0; x < NV; ++x) acc[g][x] = acc[g][x] + wc * load(vr + 16 * x);
+      for (int x = 0; x < NV; ++x) acc[g][x] = madd(wc, load(vr + 16 * x), acc[g][x]);
     }
     const v16 inv = v16{} + sums[qi];
     for (int x = 0; x < NV; ++x) store(op + qo[qi] + 16 * x, acc[g][x] / inv);
@@ -184,6 +213,96 @@ inline float softmax_weights(float* s, int64_t m) {
   return hsum(total);
 }
 
+#if HAVE_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0: scores C [16 keys x 16 queries] float32; tmm1-3: keys A [16 keys x 32 dims]; tmm4-7: queries B, 32 dims each
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// q . k for 16 keys (rows of `keys`, `ld` elements apart) and the item's queries (tmm4.., loaded by the caller)
+// -> c [16 keys][16 queries]. Each dot product: tile pair-products summed over dims 0-31, then 32-63, ... in
+// that order, whatever the key's place in the tile or the query's: the same bits for a query in any call.
+inline void score_tile(const at::BFloat16* keys, int64_t ld, int64_t dt, float* c) {
+  _tile_zero(0);
+  _tile_loadd(1, keys, ld * 2);
+  _tile_dpbf16ps(0, 1, 4);
+  if (dt > 1) {
+    _tile_loadd(2, keys + 32, ld * 2);
+    _tile_dpbf16ps(0, 2, 5);
+  }
+  if (dt > 2) {
+    _tile_loadd(3, keys + 64, ld * 2);
+    _tile_dpbf16ps(0, 3, 6);
+  }
+  if (dt > 3) {
+    _tile_loadd(1, keys + 96, ld * 2);
+    _tile_dpbf16ps(0, 1, 7);
+  }
+  _tile_stored(0, c, 64);
+}
+
+// Scores of an item's nq <= 16 queries (float32 values of bfloat16 numbers, so their high halves are exact) on AMX tiles: against
+// its context slots cs[0..nc) into s (row qi at s + qi * width) and against all n block slots a.. into
+// bs [nq * n] (each query then takes the block keys it sees). 16 slots in a row are read in place; a
+// group with gaps or fewer than 16 is gathered (zero-padded) first.
+void amx_scores(const float* qp, const int64_t* qo, int64_t nq, const at::BFloat16* kb, const int32_t* cs, int64_t nc, int64_t a,
+                int64_t n, int64_t d, float sc, int64_t width, float* s, float* bs, at::BFloat16* gather) {
+  const int64_t dt = d / 32;
+  alignas(64) at::BFloat16 qt[4 * 16 * 32];  // per 32 dims: row r = dims 2r, 2r+1 of each query, side by side
+  std::memset(qt, 0, sizeof(qt));
+  uint16_t* qb = reinterpret_cast<uint16_t*>(qt);
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(qp + qo[qi]);
+    for (int64_t e = 0; e < d; ++e) qb[(e / 32) * 512 + ((e % 32) / 2) * 32 + qi * 2 + (e % 2)] = static_cast<uint16_t>(bits[e] >> 16);
+  }
+  _tile_loadd(4, qt, 64);
+  if (dt > 1) _tile_loadd(5, qt + 512, 64);
+  if (dt > 2) _tile_loadd(6, qt + 1024, 64);
+  if (dt > 3) _tile_loadd(7, qt + 1536, 64);
+  alignas(64) float c[256];
+  auto group = [&](int64_t count, auto slot) {  // -> c for the slots slot(0..count), count <= 16
+    const int64_t first = slot(0);
+    bool inplace = count == 16;
+    for (int64_t j = 1; inplace && j < 16; ++j) inplace = slot(j) == first + j;
+    if (inplace) {
+      score_tile(kb + first * d, d, dt, c);
+      return;
+    }
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j < count)
+        std::memcpy(gather + j * d, kb + static_cast<int64_t>(slot(j)) * d, d * 2);
+      else
+        std::memset(gather + j * d, 0, d * 2);
+    }
+    score_tile(gather, d, dt, c);
+  };
+  for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+    const int64_t count = std::min<int64_t>(16, nc - c0);
+    group(count, [&](int64_t j) { return static_cast<int64_t>(cs[c0 + j]); });
+    for (int64_t qi = 0; qi < nq; ++qi)
+      for (int64_t j = 0; j < count; ++j) s[qi * width + c0 + j] = c[j * 16 + qi] * sc;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    group(count, [&](int64_t j) { return a + j0 + j; });
+    for (int64_t qi = 0; qi < nq; ++qi)
+      for (int64_t j = 0; j < count; ++j) bs[qi * n + j0 + j] = c[j * 16 + qi] * sc;
+  }
+}
+#endif
+
 }  // namespace
 
 // The valid slots before each request's block, once per forward: req [B, 6] (see ragged_attention)
@@ -212,7 +331,7 @@ std::vector<torch::Tensor> context_slots(torch::Tensor valid, torch::Tensor req)
 // the attention of ragged_attention over K/V stored as T (float or bfloat16) into op [N, Hq, D]
 template <typename T>
 void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::Tensor& req, const torch::Tensor& trees,
-                const torch::Tensor& ctx, const torch::Tensor& ctx_off, double scale, int64_t hkv, int64_t cap, float* op) {
+                const torch::Tensor& ctx, const torch::Tensor& ctx_off, double scale, int64_t hkv, int64_t cap, float* op, bool amx) {
   const int64_t hq = q.size(1), d = q.size(2), n_req = req.size(0);
   const int64_t rep = hq / hkv;
   const float* qp = q.data_ptr<float>();
@@ -233,7 +352,11 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
   at::parallel_for(0, static_cast<int64_t>(items.size() / 4), 1, [&](int64_t lo, int64_t hi) {
     std::vector<int32_t> blk;
     std::vector<int64_t> len, qo;
-    std::vector<float> s, sums, keys(16 * d);
+    std::vector<float> s, sums, keys(16 * d), bs;
+    std::vector<at::BFloat16> gather(amx ? 16 * d : 0);
+#if HAVE_AMX
+    if (amx) configure_tiles();
+#endif
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = items[4 * it], h = items[4 * it + 1], q0 = items[4 * it + 2], nq = items[4 * it + 3] - q0;
       const int64_t row = rq[b * 6], a = rq[b * 6 + 1], n = rq[b * 6 + 2], first = rq[b * 6 + 3], mode = rq[b * 6 + 4],
@@ -247,7 +370,16 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
       s.resize(nq * width);
       blk.resize(nq * n);
       len.resize(nq);
-      int64_t c0 = 0;
+      int64_t c0 = nc;
+#if HAVE_AMX
+      if constexpr (std::is_same<T, at::BFloat16>::value) {
+        if (amx) {  // every score on AMX tiles (block scores into bs, taken per query below)
+          bs.resize(nq * n);
+          amx_scores(qp, qo.data(), nq, kb, cs, nc, a, n, d, sc, width, s.data(), bs.data(), gather.data());
+        }
+      }
+#endif
+      if (!amx) c0 = 0;
       for (; c0 + 16 <= nc; c0 += 16) {  // context scores, 16 keys at a time for every query of the item
         const T* kr[16];
         for (int j = 0; j < 16; ++j) kr[j] = kb + static_cast<int64_t>(cs[c0 + j]) * d;
@@ -266,7 +398,7 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
         for (int64_t qi = 0; qi < nq; ++qi) s[qi * width + c0] = score(qp + qo[qi], kb + static_cast<int64_t>(cs[c0]) * d, d, sc);
       sums.resize(nq);
       // a long bfloat16 block (a prefill) is widened once for all the item's queries (exact: the same bits)
-      const bool wide = !std::is_same<T, float>::value && n >= 16 && nq > 1;
+      const bool wide = !amx && !std::is_same<T, float>::value && n >= 16 && nq > 1;
       if (wide) {
         keys.resize(std::max<int64_t>(16, n) * d);
         for (int64_t j = 0; j < n; ++j)
@@ -279,7 +411,9 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
         for (int64_t j = 0; j < n; ++j)
           if (mode == 0 ? j <= i : mode == 1 ? true : treep[toff + i * n + j]) bq[nb++] = static_cast<int32_t>(a + j);
         float* sr = s.data() + qi * width;
-        if (wide)
+        if (amx)
+          for (int64_t c = 0; c < nb; ++c) sr[nc + c] = bs[qi * n + bq[c] - a];
+        else if (wide)
           block_scores(qp + qo[qi], keys.data(), a, bq, nb, d, sc, sr + nc);
         else
           block_scores(qp + qo[qi], kb, 0, bq, nb, d, sc, sr + nc);
@@ -292,15 +426,19 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
         default: values_all<2, 4>(nq, s.data(), width, vb, cs, nc, blk.data(), n, len.data(), d, sums.data(), op, qo.data());
       }
     }
+#if HAVE_AMX
+    if (amx) _tile_release();  // unconfigured again: oneDNN and amx_cpu configure their own
+#endif
   });
 }
 
+// amx: the scores q . k on AMX tiles (bfloat16 K/V; see amx_scores), else in vectors of 16 lanes.
 // q [N, Hq, D] f32; pk, pv [R, Hkv, C, D] f32 or bf16; req [B, 6] int64 per request: (pool row, block start a,
 // block length n, first packed query, mode, tree offset), mode 0 = causal, 1 = the whole block, 2 = tree
 // (trees[off + i * n + j]: query i sees block key j); ctx, ctx_off: context_slots(). A query sees its
 // request's context slots, then its block keys. -> [N, Hq, D] f32.
 torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor pv, torch::Tensor req, torch::Tensor trees,
-                               torch::Tensor ctx, torch::Tensor ctx_off, double scale) {
+                               torch::Tensor ctx, torch::Tensor ctx_off, double scale, bool amx) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && pv.scalar_type() == pk.scalar_type() &&
                   (pk.scalar_type() == torch::kFloat || pk.scalar_type() == torch::kBFloat16),
               "ragged_attention: q must be float32, k and v both float32 or both bfloat16");
@@ -312,11 +450,13 @@ torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor 
               "ragged_attention: trees bool, req int64, ctx int32, ctx_off int64");
   const int64_t hq = q.size(1), d = q.size(2), hkv = pk.size(1), cap = pk.size(2);
   TORCH_CHECK((d == 32 || d == 64 || d == 128) && pk.size(3) == d && hq % hkv == 0, "ragged_attention: head dim must be 32, 64 or 128");
+  // AMX scores: bfloat16 K/V, a CPU with AMX whose tiles the caller has enabled, a build that has them
+  amx = amx && HAVE_AMX && pk.scalar_type() == torch::kBFloat16 && d % 32 == 0;
   auto out = torch::empty_like(q);
   if (pk.scalar_type() == torch::kBFloat16)
-    attend_all(q, pk.data_ptr<at::BFloat16>(), pv.data_ptr<at::BFloat16>(), req, trees, ctx, ctx_off, scale, hkv, cap, out.data_ptr<float>());
+    attend_all(q, pk.data_ptr<at::BFloat16>(), pv.data_ptr<at::BFloat16>(), req, trees, ctx, ctx_off, scale, hkv, cap, out.data_ptr<float>(), amx);
   else
-    attend_all(q, pk.data_ptr<float>(), pv.data_ptr<float>(), req, trees, ctx, ctx_off, scale, hkv, cap, out.data_ptr<float>());
+    attend_all(q, pk.data_ptr<float>(), pv.data_ptr<float>(), req, trees, ctx, ctx_off, scale, hkv, cap, out.data_ptr<float>(), false);
   return out;
 }
 

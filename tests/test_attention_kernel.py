@@ -41,22 +41,34 @@ def test_kernel_matches_plain_pytorch(d, hq, hkv):
     out = call(q, pk, pv, valid, req, tree.flatten())
     ref = A.reference(q, pk, pv, valid, torch.tensor(req), tree.flatten())
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
-    # bfloat16 K/V (a bf16 model's pool) widen exactly: the bits of their float32 copies
-    assert torch.equal(call(q, pk.bfloat16(), pv.bfloat16(), valid, req, tree.flatten()), out)
+    # bfloat16 K/V (a bf16 model's pool, whose queries are bf16 numbers): in vectors they widen exactly, the bits
+    # of their float32 copies; on AMX tiles the scores sum in the tiles' order (within float32 rounding)
+    q16 = q.bfloat16().float()
+    out16 = call(q16, pk.bfloat16(), pv.bfloat16(), valid, req, tree.flatten())
+    if A.amx_scores(pk.bfloat16()):
+        ref16 = A.reference(q16, pk, pv, valid, torch.tensor(req), tree.flatten())
+        torch.testing.assert_close(out16.double(), ref16, atol=2e-6, rtol=1e-5)
+    else:
+        assert torch.equal(out16, call(q16, pk, pv, valid, req, tree.flatten()))
 
 
-def test_a_query_has_the_same_bits_in_any_block_tree_batch_or_thread_count():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_has_the_same_bits_in_any_block_tree_batch_or_thread_count(dtype):
     """The token at slot p of row 0 computed alone (plain decoding), as query 5 of a causal block of 9,
     as node 7 of a token tree whose ancestors (nodes 0, 2, 5) sit on scattered slots with other nodes
-    between them, next to another request's long block, and on one thread: the same bits every time."""
+    between them, next to another request's long block, and on one thread: the same bits every time.
+    bfloat16 K/V: the scores on AMX tiles where the CPU has them, else in vectors."""
     d, hq, hkv, p = 64, 9, 3, 61
     pk, pv, valid = pools(3, hkv, 128, d, seed=1)
+    pk, pv = pk.to(dtype), pv.to(dtype)
+    torch.manual_seed(3)
+    randn = lambda *shape: torch.randn(*shape).bfloat16().float()  # noqa: E731 - queries of a bf16 model are bf16 numbers
     valid[0, : p + 1] = True
     valid[1, :100] = True
-    q = torch.randn(1, hq, d)
+    q = randn(1, hq, d)
     alone = call(q, pk, pv, valid, [[0, p, 1, 0, 0, 0]])[0]
 
-    block_q = torch.randn(9, hq, d)
+    block_q = randn(9, hq, d)
     block_q[5] = q[0]
     in_block = call(block_q, pk, pv, valid, [[0, p - 5, 9, 0, 0, 0]])[5]
 
@@ -69,11 +81,11 @@ def test_a_query_has_the_same_bits_in_any_block_tree_batch_or_thread_count():
     for i, node in enumerate(path):
         tree[node, path[: i + 1]] = True
     tree[[1, 3, 4, 6], 0] = True  # other branches off the root
-    tq = torch.randn(n, hq, d)
+    tq = randn(n, hq, d)
     tq[7] = q[0]
     in_tree = call(tq, tpk, tpv, tvalid, [[0, a, n, 0, 2, 0]], tree.flatten())[7]
 
-    many_q = torch.cat([torch.randn(40, hq, d), q])
+    many_q = torch.cat([randn(40, hq, d), q])
     in_batch = call(many_q, pk, pv, valid, [[1, 60, 40, 0, 0, 0], [0, p, 1, 40, 0, 0]])[40]
 
     threads = torch.get_num_threads()
