@@ -630,11 +630,16 @@ class Engine:
             draft = [tokens[i - 1] for i in walked]  # the path the walk took, as a chain
             target = greedy(logits[keep[: len(walked)]]).tolist()  # the target's token after each one's parent
         else:
-            k = p.verify_len - 1
-            n, nxt = verify(p.draft, p.q, logits, st.req.temperature, st.gen)
+            k, draft = p.verify_len - 1, p.draft.tolist()
+            if st.req.temperature <= 0:  # spec.verify_greedy on lists: the one argmax the round record needs too
+                best = greedy(logits).tolist()  # [k+1] the target's token after each input
+                n = next((i for i, (d, t) in enumerate(zip(draft, best)) if d != t), k)
+                nxt, target = best[n], best[:k]
+            else:
+                n, nxt = verify(p.draft, p.q, logits, st.req.temperature, st.gen)
+                target = greedy(logits[:k]).tolist()
             st.tcache.crop(st.tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
             keep = list(range(1 + n))
-            draft, target = p.draft.tolist(), greedy(logits[:k]).tolist()
         n = len(keep) - 1
         before = len(st.out)
         st.rounds.append(
