@@ -17,13 +17,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "amx_tiles.h"
+#if HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
 #endif
 
 namespace {
@@ -33,22 +30,7 @@ constexpr int64_t KSTEP = 32;   // inputs per tile dot product
 constexpr int64_t MCHUNK = 256; // rows whose inputs stay in cache while every weight block passes them
 
 #if HAVE_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0-3: C (2 x 2 tiles of 16 x 16 float32), tmm4-5: A (16 rows x 32 bf16), tmm6-7: B (16 x 32 bf16)
-void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = TILE;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+using adaflash_amx::configure_tiles;  // tmm0-3: C (2 x 2 tiles of 16 x 16 float32), tmm4-5: A (16 rows x 32 bf16), tmm6-7: B
 
 // C tile `c` (16 x 16 float32 at `buf`, row stride 32) -> rows [0, rows) of out (row stride ld) as bf16
 inline void store_rows(const float* buf, int64_t rows, at::BFloat16* out, int64_t ld) {
@@ -132,7 +114,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   for (int64_t c0 = 0; c0 < m; c0 += MCHUNK) {
     const int64_t c1 = std::min(m, c0 + MCHUNK);
     at::parallel_for(0, pairs, 1, [&](int64_t lo, int64_t hi) {
-      configure();
+      configure_tiles();
       for (int64_t p = lo; p < hi; ++p) {
         const int64_t b = 2 * p;
         const at::BFloat16* w = wd + b * kb * 512;

@@ -18,11 +18,7 @@
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
+#include "amx_tiles.h"
 
 #include <algorithm>
 #include <cmath>
@@ -214,22 +210,7 @@ inline float softmax_weights(float* s, int64_t m) {
 }
 
 #if HAVE_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0: scores C [16 keys x 16 queries] float32; tmm1-3: keys A [16 keys x 32 dims]; tmm4-7: queries B, 32 dims each
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+using adaflash_amx::configure_tiles;  // tmm0: scores [16 keys x 16 queries]; tmm1-3: keys [16 x 32 dims]; tmm4-7: queries
 
 // q . k for 16 keys (rows of `keys`, `ld` elements apart) and the item's queries (tmm4.., loaded by the caller)
 // -> c [16 keys][16 queries]. Each dot product: tile pair-products summed over dims 0-31, then 32-63, ... in

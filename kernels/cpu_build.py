@@ -28,7 +28,9 @@ def _build_dir(name: str, source: Path) -> Path:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = ""
-    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + flags.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the sources include
+    parts = source.read_bytes() + headers + torch.__version__.encode() + flags.encode() + " ".join(CFLAGS).encode()
+    key = hashlib.sha256(parts).hexdigest()[:16]
     base = os.environ.get("ADAFLASH_KERNEL_CACHE") or Path(user_cache_dir("adaflash")) / "kernels"
     root = Path(base) / f"{name}-{key}"
     root.mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,7 @@ def signature() -> str:
     """A short hash of every kernel source and the build flags: cached step costs measured with other
     kernels (adaflash/cost.py) are stale."""
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
-    for src in sorted(Path(__file__).parent.glob("*.cpp")):
+    for src in sorted([*Path(__file__).parent.glob("*.cpp"), *Path(__file__).parent.glob("*.h")]):
         digest.update(src.read_bytes())
     return digest.hexdigest()[:12]
 
