@@ -182,7 +182,10 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], out.shape[-1])  # [..., out]
 
     def _packable(self, x: torch.Tensor) -> bool:
-        return not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == self.weight.dtype and self._packs()
+        """Inference on CPU in the weight's dtype, and not under autocast (whose casts F.linear applies)."""
+        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != self.weight.dtype:
+            return False
+        return not torch.is_autocast_enabled("cpu") and self._packs()
 
     def _packs(self) -> bool:
         """Whether this weight has a packed CPU form at all (CPU, a dtype oneDNN runs here)."""
