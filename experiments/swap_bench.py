@@ -173,6 +173,9 @@ def run_swap_bench(cfg: SwapConfig, out: Path, log=print) -> dict:
                     "model_name": registry.model_name,
                     "cache_dir": str(out / "registry-cache"),
                     "interval_s": cfg.poll_interval_s,
+                    # this measures what a swap costs: a live-guard rollback would swap back mid-measurement (it
+                    # rolled back a copy of v1 in CI on noise: tau before and after a swap comes from other prompts)
+                    "rollback": False,
                 },
             },
         )
