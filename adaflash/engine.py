@@ -12,7 +12,7 @@ new text only when it drafts next (`_extend_context`), so a step where it does n
 
 Token trees (`tree` N > 0, greedy requests only): a request verifies the N most likely paths through
 its drafter's block (spec.build_tree) as a token tree in the same packed forward (each node attends to
-its ancestors, spec.tree_mask), walks down the accepted path (spec.verify_tree_greedy) and keeps only
+its ancestors, spec.tree_mask), walks down the accepted path (spec.walk_tree, from one argmax) and keeps only
 that path's K/V; the verify-length policy then decides for sampling requests alone, which verify
 chains (a lossless multi-candidate rule would need candidates drawn from q, not its top tokens).
 
@@ -55,7 +55,7 @@ import torch
 from adaflash.buffer import Round, Trajectory
 from adaflash.drafter import Drafter
 from adaflash.kvcache import KVCache, KVPool
-from adaflash.spec import build_tree, graft, greedy, lookup_chain, pick, propose, tree_mask, verify, verify_tree_greedy
+from adaflash.spec import build_tree, graft, greedy, lookup_chain, pick, propose, tree_mask, verify, walk_tree
 from adaflash.target import TargetModel
 
 
@@ -621,25 +621,21 @@ class Engine:
         K/V in the target cache, record the round and commit; -> those inputs' features [1 + n, n*H]."""
         st = p.st
         if p.mask is not None:
-            path, nxt = verify_tree_greedy(p.draft, p.parents, logits)
+            best = greedy(logits).tolist()  # [N+1] the target's token after the anchor and each node
+            path, nxt = walk_tree(p.draft, p.parents, best)
             keep = [0] + path  # the anchor, then the accepted nodes
             st.tcache.keep(st.tcache.length - p.verify_len, keep)
             tokens, parents = p.draft.tolist(), p.parents.tolist()
             child = next((i for i, q in enumerate(parents, 1) if q == keep[-1]), None)  # the best candidate where it stopped
             walked = path + ([child] if child is not None else [])
             draft = [tokens[i - 1] for i in walked]  # the path the walk took, as a chain
-            target = greedy(logits[keep[: len(walked)]]).tolist()  # the target's token after each one's parent
+            target = [best[i] for i in keep[: len(walked)]]  # the target's token after each one's parent
         else:
-            k, draft = p.verify_len - 1, p.draft.tolist()
-            if st.req.temperature <= 0:  # spec.verify_greedy on lists: the one argmax the round record needs too
-                best = greedy(logits).tolist()  # [k+1] the target's token after each input
-                n = next((i for i, (d, t) in enumerate(zip(draft, best)) if d != t), k)
-                nxt, target = best[n], best[:k]
-            else:
-                n, nxt = verify(p.draft, p.q, logits, st.req.temperature, st.gen)
-                target = greedy(logits[:k]).tolist()
+            k = p.verify_len - 1
+            n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen)
             st.tcache.crop(st.tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
             keep = list(range(1 + n))
+            draft = p.draft.tolist()
         n = len(keep) - 1
         before = len(st.out)
         st.rounds.append(

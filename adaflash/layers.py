@@ -78,7 +78,8 @@ _SEQUENCES: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.Context
 def prompt_rows(lens: list[int]):
     """Inside: a bfloat16 call over exactly these prompts' rows (sum(lens)) multiplies each prompt's rows in
     one call of their own (`packed_mm`), unchunked. A prompt's bits then depend on the prompt alone, as
-    the 32-row chunks would make them, and AMX runs a 94-row prompt in one call instead of three."""
+    the 32-row chunks would make them, and oneDNN on AMX runs a 94-row prompt in one call instead of three.
+    (Weights on the project's AMX tiles, `pack_weight`, take any rows in one call and ignore this.)"""
     token = _SEQUENCES.set(tuple(lens))
     try:
         yield

@@ -54,7 +54,12 @@ def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """draft [B, k]; target_logits [B, k+1, V] -> (accepted [B], bonus token [B])."""
-    target_tokens = greedy(target_logits)  # [B, k+1]: the target's greedy choice after each input
+    return accept_greedy(draft, greedy(target_logits))
+
+
+def accept_greedy(draft: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft [B, k]; target_tokens [B, k+1] (the target's greedy choice after each input) -> (accepted [B],
+    bonus token [B])."""
     n = accepted_length(draft, target_tokens[:, :-1])  # [B]
     bonus = target_tokens.gather(1, n[:, None])[:, 0]  # first mismatch, or after the last draft
     return n, bonus
@@ -107,15 +112,19 @@ def propose(
 
 def verify(
     draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor, temperature: float, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """One request's round: draft [k], target_logits [k+1, V] -> (accepted drafts, next token)."""
+) -> tuple[int, int, list[int]]:
+    """One request's round: draft [k], target_logits [k+1, V] -> (accepted drafts, next token, the target's
+    greedy token after each of the first k inputs: what the round record keeps, from the same argmax that
+    greedy verification takes; one argmax over 49,152 logits per row is not free on a CPU)."""
     if temperature <= 0:
-        n, nxt = verify_greedy(draft[None], target_logits[None])
-    elif draft.numel() == 0:  # nothing drafted: a plain sampled step
-        return 0, int(pick(target_logits[-1], temperature, generator))
-    else:
-        n, nxt = verify_sampling(draft[None], q[None], probs(target_logits[None], temperature), generator)
-    return int(n[0]), int(nxt[0])
+        best = greedy(target_logits)[None]  # [1, k+1]
+        n, nxt = accept_greedy(draft[None], best)
+        return int(n[0]), int(nxt[0]), best[0, :-1].tolist()
+    target = greedy(target_logits[:-1]).tolist()
+    if draft.numel() == 0:  # nothing drafted: a plain sampled step
+        return 0, int(pick(target_logits[-1], temperature, generator)), target
+    n, nxt = verify_sampling(draft[None], q[None], probs(target_logits[None], temperature), generator)
+    return int(n[0]), int(nxt[0]), target
 
 
 # --------------------------------------------------------------------------- tree verification (greedy)
@@ -204,7 +213,11 @@ def graft(tokens: torch.Tensor, parents: torch.Tensor, chain: list[int]) -> tupl
 def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> tuple[list[int], int]:
     """tokens, parents [N]; target_logits [N+1, V] over [anchor, nodes] -> (accepted path: node indices
     1..N from the root down, the target's next token after it)."""
-    best = greedy(target_logits).tolist()  # [N+1]
+    return walk_tree(tokens, parents, greedy(target_logits).tolist())
+
+
+def walk_tree(tokens: torch.Tensor, parents: torch.Tensor, best: list[int]) -> tuple[list[int], int]:
+    """`verify_tree_greedy` from the target's greedy token after the anchor and each node, best [N+1]."""
     children: dict[tuple[int, int], int] = {}
     for i, (t, p) in enumerate(zip(tokens.tolist(), parents.tolist()), start=1):
         children[(p, t)] = i  # siblings hold distinct tokens (top candidates of one position)
