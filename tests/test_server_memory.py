@@ -35,7 +35,22 @@ def live(cls) -> int:
     return sum(type(o) is cls for o in gc.get_objects())
 
 
+def in_parent(test: str) -> bool:
+    """Rerun `test` alone in a fresh process and say so (True) unless this is that process. RSS is measured
+    there: inside the whole suite's process (2.6 GB of other tests' heap) glibc's fragmentation alone moved RSS
+    by ~12 MB a segment in one CI run and not in the next, and by 51 MB over 100 requests in another."""
+    if os.environ.get("ADAFLASH_MEMORY_CHILD"):
+        return False
+    env = {**os.environ, "ADAFLASH_MEMORY_CHILD": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test}"]
+    res = subprocess.run(cmd, env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    return True
+
+
 def test_memory_is_flat_over_many_requests_and_a_swap(smollm2_dir, tmp_path):
+    if in_parent("test_memory_is_flat_over_many_requests_and_a_swap"):
+        return
     # 64 wide but with SmolLM2's KV bytes per token (6 layers x 8 KV heads x 128 = 48 KB in fp32), so each
     # request's caches are ~2 MB as in the real server and a leak shows in RSS
     (tmp_path / "target").mkdir()
@@ -74,13 +89,7 @@ def test_memory_is_flat_over_many_requests_and_a_swap(smollm2_dir, tmp_path):
 
 
 def test_memory_is_flat_over_hot_swaps(smollm2_dir, tmp_path):
-    if not os.environ.get("ADAFLASH_MEMORY_CHILD"):
-        # measured in a fresh process: inside the whole suite's process (2.6 GB of other tests' heap) glibc's
-        # fragmentation alone moved RSS by ~12 MB a segment in one CI run and not in the next
-        env = {**os.environ, "ADAFLASH_MEMORY_CHILD": "1"}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_memory_is_flat_over_hot_swaps"]
-        res = subprocess.run(cmd, env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=900)
-        assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    if in_parent("test_memory_is_flat_over_hot_swaps"):
         return
     # a bf16 drafter beside the fp32 target, as `drafter_dtype: auto` serves on this CPU: its attention
     # multiplies in float32 (a bf16 matmul cached a oneDNN primitive for every new context length), and
