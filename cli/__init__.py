@@ -235,7 +235,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
 
     from adaflash.drafter import load_drafter_and_head
-    from adaflash.target import load_target
+    from adaflash.target import load_target, source_gguf
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if not known_method(m)]
@@ -260,7 +260,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if LLAMACPP in methods:
         if 1 not in concurrency:
             raise UsageError("llamacpp decodes one request at a time: it needs concurrency 1 in --concurrency")
-        if args.target != "smollm2" and not args.target.endswith(".gguf"):
+        if source_gguf(args.target) is None:
             raise UsageError(f"llamacpp runs the GGUF the target comes from: --target smollm2 or a .gguf file, got {args.target}")
         try:
             llamacpp_python()
@@ -318,23 +318,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         write_shift(rows, {**meta, "concurrency": concurrency[0], "round_size": size}, Path(args.out))
         print((Path(args.out) / "shift.md").read_text())
         return 0
+    threads = __import__("torch").get_num_threads()  # the peers run with the threads our engine has
     vllm = None
     if any(is_vllm(m) for m in methods):
         from adaflash.dflash_format import vllm_python
         from adaflash.target import stock_hf_dir
 
         vllm_python(None)  # fails now, with what to run, when `make vllm` was not
-        threads = __import__("torch").get_num_threads()
         vllm = {"target_dir": stock_hf_dir(args.target), "drafter": drafter, "work_dir": Path(args.out) / "vllm", "threads": threads}
         # a quantised target is ours only: vLLM runs the float model in that target's activation dtype (bfloat16)
         vllm["dtype"] = str(target.model.dtype).removeprefix("torch.")
     llamacpp = None
     if LLAMACPP in methods:
-        from adaflash.target import packaged_gguf
-
-        gguf = packaged_gguf() if args.target == "smollm2" else Path(args.target)
-        threads = __import__("torch").get_num_threads()
-        llamacpp = {"gguf": gguf, "eos": target.eos_ids, "work_dir": Path(args.out) / "llamacpp", "threads": threads}
+        llamacpp = {"gguf": source_gguf(args.target), "eos": target.eos_ids, "work_dir": Path(args.out) / "llamacpp", "threads": threads}
     rows = bench(
         target,
         drafter,

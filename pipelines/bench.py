@@ -347,17 +347,18 @@ def run_llamacpp_peer(cells: list[tuple[str, int, list[BenchPrompt]]], max_new: 
     ctx: {"gguf", "eos", "work_dir", "threads"} -> {("llamacpp", domain, 1): row fields}."""
     work = Path(ctx["work_dir"])
     work.mkdir(parents=True, exist_ok=True)
+    cells = [(d, c, ps) for d, c, ps in cells if c == 1]
     job = {
         "gguf": str(ctx["gguf"]),
         "threads": ctx["threads"],
         "max_new": max_new,
         "eos": list(ctx["eos"]),
-        "cells": [{"key": f"{d}|{c}", "concurrency": c, "prompts": [p.ids for p in ps]} for d, c, ps in cells if c == 1],
+        "cells": [{"key": f"{d}|{c}", "concurrency": c, "prompts": [p.ids for p in ps]} for d, c, ps in cells],
     }
     env = {**os.environ, "OMP_NUM_THREADS": str(ctx["threads"])}
     script = Path(__file__).with_name("llamacpp_peer.py")
     res = run_peer_script(llamacpp_python(ctx.get("python")), script, job, work / LLAMACPP, env, "llama.cpp peer")
-    return {(LLAMACPP, d, c): peer_row(res, f"{d}|{c}", len(ps)) for d, c, ps in cells if c == 1}
+    return {(LLAMACPP, d, c): peer_row(res, f"{d}|{c}", len(ps)) for d, c, ps in cells}
 
 
 def peer_row(res: dict, key: str, n_requests: int) -> dict:
