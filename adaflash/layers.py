@@ -17,6 +17,24 @@ from torch import nn
 
 from adaflash.kernels import amx_cpu, norm_rope_cpu
 
+_EPOCH = itertools.count()
+_epoch = next(_EPOCH)
+
+
+def _new_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    global _epoch
+    _epoch = next(_EPOCH)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_new_parameter)
+
+
+def weights_epoch() -> int:
+    """A number that changes whenever a parameter is registered or assigned on any module: caches of
+    packed weights keyed on tensors' data pointers and versions also key on it (a new Parameter object
+    may reuse a freed one's memory)."""
+    return _epoch
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -134,6 +152,27 @@ def fused(owner: nn.Module, mods: tuple[nn.Module, ...], x: torch.Tensor) -> tor
     q4 0.20 -> 0.13 ms). A column's sums do not depend on its neighbours, and every CPU inference call
     of the model goes through the same fused form, so plain decoding and verification agree. The form
     is cached on `owner`, rebuilt when a weight changes; members' own packed copies are then never made."""
+    op = fused_op(owner, mods, x)
+    if op is None:
+        return None
+    flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    out = op(flat)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Fused:
+    """Projections of one input as one packed weight [sum N, K] (`fused`): call it on flat [M, K] -> [M, sum N]."""
+
+    def __init__(self, pack):
+        self.pack = pack
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        return packed_mm(flat, self.pack)
+
+
+def fused_op(owner: nn.Module, mods: tuple[nn.Module, ...], x: torch.Tensor):
+    """The cached callable `fused` multiplies x's rows with (a `Fused`, or a fused module such as a
+    Q4Linear), or None where the projections do not fuse for x."""
     if torch.is_grad_enabled() or x.device.type != "cpu":
         return None
     first = mods[0]
@@ -143,8 +182,7 @@ def fused(owner: nn.Module, mods: tuple[nn.Module, ...], x: torch.Tensor) -> tor
         key = tuple((m.weight.data_ptr(), m.weight._version) for m in mods)
 
         def build():
-            pack = pack_weight(torch.cat([m.weight.detach() for m in mods]))
-            return lambda flat: packed_mm(flat, pack)
+            return Fused(pack_weight(torch.cat([m.weight.detach() for m in mods])))
 
     elif hasattr(type(first), "fuse") and all(type(m) is type(first) for m in mods):
         key = tuple(id(m) for m in mods)
@@ -157,9 +195,7 @@ def fused(owner: nn.Module, mods: tuple[nn.Module, ...], x: torch.Tensor) -> tor
     cached = owner.__dict__.get("_fused")
     if cached is None or cached[0] != key:
         owner.__dict__["_fused"] = cached = (key, build())
-    flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = cached[1](flat)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return cached[1]
 
 
 class Linear(nn.Linear):
@@ -333,3 +369,23 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(hidden, intermediate)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def stack_weights(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The six weights kernels/stack_cpu.cpp runs this layer with for input x (input norm, fused q/k/v
+        tiles, o tiles, post-attention norm, fused gate/up tiles, down tiles), or None where it does not
+        take the layer: anything but bfloat16 inference on AMX tiles (the same test `fused` and
+        `Linear.forward` apply, so both paths multiply with the same packed weights), or q/k norms."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is not None or x.dtype != torch.bfloat16:
+            return None
+        qkv, gu = fused_op(attn, attn.same_input(), x), fused_op(mlp, mlp.same_input(), x)
+        if not (isinstance(qkv, Fused) and isinstance(gu, Fused)):
+            return None
+        outs = [attn.o_proj, mlp.down_proj]
+        if any(type(m) is not Linear or m.bias is not None or not m._packable(x) for m in outs):
+            return None
+        packs = [qkv.pack, outs[0]._packed(), gu.pack, outs[1]._packed()]
+        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        if not all(isinstance(p, amx_cpu.Packed) for p in packs) or any(w.dtype != torch.bfloat16 for w in norms):
+            return None
+        return [norms[0], packs[0].tiles, packs[1].tiles, norms[1], packs[2].tiles, packs[3].tiles]

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaflash.kernels import attention_cpu
+from adaflash.kernels import attention_cpu, stack_cpu
 from adaflash.kvcache import KVCache, KVPool, Ragged, one_block, pool_of
-from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack, prompt_rows
+from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack, prompt_rows, weights_epoch
 
 
 @dataclass
@@ -200,25 +200,62 @@ class TargetModel(nn.Module):
         batch = Ragged(caches, starts, lens, causal=True, trees=trees)
         cos, sin = self.rotary(torch.cat(pos, dim=1), self.dtype)  # [1, 1, N, D]
         x = self.model.embed_tokens(torch.cat(tokens)[None])  # [1, N, H]
-        feats = []
-        with prompt_rows(lens) if logits_last_only else contextlib.nullcontext():  # a prefill: each prompt in one call
-            for li, layer in enumerate(self.model.layers):
-                attn = layer.self_attn
-                h = layer.input_layernorm(x)
-                q, k, v = attn.project_qkv(h, cos, sin)  # [1, Hq, N, D], [1, Hkv, N, D] x 2
-                q = q[0].transpose(0, 1)  # [N, Hq, D]
-                out = batch.attend(attn, li, q, k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, Hq*D]
-                x = x + attn.o_proj(out[None])
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-                if li in self.feature_layers:
-                    feats.append(x)
-        feats = torch.cat(feats, dim=-1)[0]  # [N, n*H]
+        stacked = self._stacked(x, batch, cos, sin)
+        if stacked is not None:
+            x, feats = stacked  # [1, N, H], [N, n*H]
+        else:
+            feats = []
+            with prompt_rows(lens) if logits_last_only else contextlib.nullcontext():  # a prefill: each prompt in one call
+                for li, layer in enumerate(self.model.layers):
+                    attn = layer.self_attn
+                    h = layer.input_layernorm(x)
+                    q, k, v = attn.project_qkv(h, cos, sin)  # [1, Hq, N, D], [1, Hkv, N, D] x 2
+                    q = q[0].transpose(0, 1)  # [N, Hq, D]
+                    out = batch.attend(attn, li, q, k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, Hq*D]
+                    x = x + attn.o_proj(out[None])
+                    x = x + layer.mlp(layer.post_attention_layernorm(x))
+                    if li in self.feature_layers:
+                        feats.append(x)
+            feats = torch.cat(feats, dim=-1)[0]  # [N, n*H]
         feats = [feats[a:b] for a, b in zip(bounds, bounds[1:])]
         if logits_last_only:
             last = torch.tensor([b - 1 for b in bounds[1:]], device=dev)
             return list(self.lm_head(self.model.norm(x[0, last])).float().split(1)), feats  # R x [1, V]
         logits = self.lm_head(self.model.norm(x)[0]).float()  # [N, V]
         return [logits[a:b] for a, b in zip(bounds, bounds[1:])], feats
+
+    def _stacked(self, x: torch.Tensor, batch: Ragged, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`forward_packed`'s layer loop in one C++ call (kernels/stack_cpu.py), with the Python loop's bits,
+        where every layer and the pool fit it (bfloat16 on AMX, the attention kernel) -> (x [1, N, H],
+        features [N, n*H]), else None. x [1, N, H]: the packed tokens' embeddings."""
+        if not batch.kernel or batch.pool.dtype != torch.bfloat16 or (ext := stack_cpu.load()) is None:
+            return None
+        if (weights := self._stack_weights(x)) is None:
+            return None
+        a = self.model.layers[0].self_attn
+        pool = batch.pool
+        out, feats = ext.forward_layers(
+            x[0], weights, cos, sin, pool.k, pool.v, batch.tok_slot, batch.tok_pos, batch.req, batch.tree_bits, *batch.ctx,
+            a.n_heads, a.n_kv_heads, self.config.rms_norm_eps, a.head_dim**-0.5, attention_cpu.amx_scores(pool.k[0]), self.feature_layers,
+        )  # fmt: skip
+        return out[None], feats
+
+    def _stack_weights(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every layer's `stack_weights` for x, cached (30 layers' checks took 2 ms of a 33 ms step) until a
+        weight changes in place or a parameter is assigned anywhere (`layers.weights_epoch`)."""
+        params = self.__dict__.get("_stack_params") or list(self.parameters())
+        key = (x.dtype, weights_epoch(), tuple((p.data_ptr(), p._version) for p in params))
+        cached = self.__dict__.get("_stack")
+        if cached is None or cached[0] != key:
+            weights = []
+            for layer in self.model.layers:
+                if (w := layer.stack_weights(x)) is None:
+                    weights = None
+                    break
+                weights += w
+            self.__dict__["_stack_params"] = list(self.parameters())
+            self.__dict__["_stack"] = cached = (key, weights)
+        return cached[1]
 
 
 @dataclass

@@ -137,7 +137,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed) {
   return out;
 }
 
+#ifndef ADAFLASH_NO_MODULE  // kernels/stack_cpu.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("enable", &enable, "request the AMX tile state from Linux; whether the kernel may run");
   mod.def("amx_linear", &amx_linear, "row-invariant bfloat16 matmul on AMX tiles");
 }
+#endif

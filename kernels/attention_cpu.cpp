@@ -441,7 +441,9 @@ torch::Tensor ragged_attention(torch::Tensor q, torch::Tensor pk, torch::Tensor 
   return out;
 }
 
+#ifndef ADAFLASH_NO_MODULE  // kernels/stack_cpu.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("context_slots", &context_slots, "the valid slots before each request's block");
   m.def("ragged_attention", &ragged_attention, "row-invariant ragged attention (CPU)");
 }
+#endif

@@ -113,7 +113,9 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return y;
 }
 
+#ifndef ADAFLASH_NO_MODULE  // kernels/stack_cpu.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, one call, row-invariant (CPU)");
   m.def("rope", &rope, "rotary embedding of [B, T, H, D], one call (CPU)");
 }
+#endif

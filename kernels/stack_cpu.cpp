@@ -1,0 +1,101 @@
+// A bfloat16 model's decoder layers in one call for CPU inference on AMX (kernels/stack_cpu.py builds and calls it).
+//
+// A SmolLM2 step at concurrency 32 spent about as long in Python and PyTorch's dispatch of ~700 small
+// calls (norms, rotary, K/V writes, SwiGLU's elementwise ops, residual adds, views) as in its matmuls.
+// Here the loop over layers runs in C++ and calls the very functions the Python path calls through its
+// extensions (amx_cpu.cpp, attention_cpu.cpp, norm_rope_cpu.cpp, included below in namespaces of their
+// own) and the same ATen ops for SiLU, products and sums, in the same order on the same shapes: every
+// tensor it makes has the bits the Python loop gives (tests/test_stack_kernel.py compares them exactly).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include "amx_tiles.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if HAVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define ADAFLASH_NO_MODULE  // the included kernels leave their module definitions out
+namespace amx_k {
+#include "amx_cpu.cpp"
+}
+namespace attn_k {
+#include "attention_cpu.cpp"
+}
+namespace norm_k {
+#include "norm_rope_cpu.cpp"
+}
+
+namespace {
+
+// the step's K or V ([N, Hkv, D], any row stride, contiguous heads) into one layer's pool [R, Hkv, C, D]:
+// token i at pool row slot[i], cache slot pos[i] (what `Ragged.attend`'s indexed assignment does)
+void write_kv(const torch::Tensor& kv, int64_t row_stride, torch::Tensor& pool, const int64_t* slot, const int64_t* pos) {
+  const int64_t n = kv.size(0), hkv = pool.size(1), cap = pool.size(2), d = pool.size(3);
+  const at::BFloat16* src = kv.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = pool.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < hkv; ++h)
+      std::memcpy(dst + ((slot[i] * hkv + h) * cap + pos[i]) * d, src + i * row_stride + h * d, d * sizeof(at::BFloat16));
+}
+
+}  // namespace
+
+// x [N, H] bf16, the packed tokens' embeddings; weights: 6 per layer (input norm [H], fused q/k/v tiles,
+// o tiles, post-attention norm [H], fused gate/up tiles, down tiles; amx_cpu.Packed layout); cos, sin
+// [1, 1, N, D] bf16; pool_k, pool_v: per layer [R, Hkv, C, D] bf16; slot, pos [N] int64 (kvcache.packed_slots);
+// req, trees, ctx, ctx_off: as ragged_attention takes them. -> (x after the last layer [N, H], the
+// outputs of the layers in `features` side by side [N, len(features) * H]).
+std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
+                                          std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot,
+                                          torch::Tensor pos, torch::Tensor req, torch::Tensor trees, torch::Tensor ctx,
+                                          torch::Tensor ctx_off, int64_t hq, int64_t hkv, double eps, double scale, bool amx_scores,
+                                          std::vector<int64_t> features) {
+  const int64_t layers = static_cast<int64_t>(pool_k.size()), n = x.size(0), d = cos.size(3);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "forward_layers: x must be bf16 [N, H]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * layers && static_cast<int64_t>(pool_v.size()) == layers,
+              "forward_layers: 6 weights and one K and V pool per layer");
+  TORCH_CHECK(slot.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && slot.is_contiguous() && pos.is_contiguous() &&
+                  slot.numel() == n && pos.numel() == n,
+              "forward_layers: slot and pos must be contiguous int64 [N]");
+  for (int64_t l = 0; l < layers; ++l)
+    TORCH_CHECK(pool_k[l].scalar_type() == torch::kBFloat16 && pool_v[l].scalar_type() == torch::kBFloat16 && pool_k[l].is_contiguous() &&
+                    pool_v[l].is_contiguous() && pool_k[l].size(1) == hkv && pool_k[l].size(3) == d,
+                "forward_layers: the pool must be contiguous bf16 [R, Hkv, C, D]");
+  pybind11::gil_scoped_release free_python;  // ATen alone from here: the server's other threads run meanwhile
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t qw = hq * d, kw = hkv * d;
+  std::vector<torch::Tensor> feats;
+  x = x.contiguous();
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + 6 * l;
+    auto qkv = amx_k::amx_linear(norm_k::rms_norm(x, w[0], eps), w[1]);  // [N, (Hq + 2 Hkv) D]
+    auto q = norm_k::rope(qkv.narrow(1, 0, qw).view({1, n, hq, d}), cos, sin);  // [1, N, Hq, D]
+    auto k = norm_k::rope(qkv.narrow(1, qw, kw).view({1, n, hkv, d}), cos, sin);  // [1, N, Hkv, D]
+    write_kv(k[0], kw, pool_k[l], sp, pp);
+    write_kv(qkv.narrow(1, qw + kw, kw), qkv.stride(0), pool_v[l], sp, pp);
+    auto att = attn_k::ragged_attention(q.view({n, hq, d}).to(torch::kFloat).contiguous(), pool_k[l], pool_v[l], req, trees, ctx, ctx_off,
+                                        scale, amx_scores);  // [N, Hq, D] f32
+    x = x + amx_k::amx_linear(att.view({n, qw}).to(torch::kBFloat16), w[2]);
+    auto gu = amx_k::amx_linear(norm_k::rms_norm(x, w[3], eps), w[4]);  // [N, 2I]
+    const int64_t inter = gu.size(1) / 2;
+    auto act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);  // [N, I]
+    x = x + amx_k::amx_linear(act, w[5]);
+    if (std::find(features.begin(), features.end(), l) != features.end()) feats.push_back(x);
+  }
+  return {x, feats.empty() ? x.new_empty({n, 0}) : at::cat(feats, 1)};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward_layers", &forward_layers, "a bf16 model's decoder layers over a packed ragged batch in one call (CPU, AMX)");
+}

@@ -1,0 +1,84 @@
+"""The decoder layers in one C++ call (kernels/stack_cpu.cpp) against the Python layer loop, bit for bit.
+
+`TargetModel.forward_packed` takes the C++ loop for a bfloat16 model on AMX tiles; it must give exactly
+what the Python loop gives (logits, features, the K/V it writes), or greedy verification would no longer
+be plain decoding. Runs where the CPU has AMX; elsewhere the Python loop is the only path and these skip.
+"""
+
+import pytest
+import torch
+from adaflash.kernels import amx_cpu, stack_cpu
+from conftest import tiny_target
+from torch import nn
+
+pytestmark = pytest.mark.skipif(stack_cpu.load() is None, reason="no AMX on this CPU (or the kernel did not build)")
+
+
+def bf16_target():
+    model = tiny_target(seed=3, vocab=96, layers=3, head_dim=32).to(torch.bfloat16).eval()  # head dim 32: the kernels' smallest
+    return model
+
+
+def run(model, use_stack: bool, monkeypatch, steps):
+    """Prefill 5 ragged prompts, then `steps` (per request: tokens and an optional tree mask) -> every output
+    and the K/V each request's cache holds at the end."""
+    with monkeypatch.context() as m:
+        if not use_stack:
+            m.setattr(stack_cpu, "load", lambda: None)
+        torch.manual_seed(0)
+        caches = [model.new_cache(1, 64) for _ in range(5)]
+        logits, feats = model.forward_packed([torch.randint(0, 96, (n,)) for n in (7, 1, 12, 3, 9)], caches, logits_last_only=True)
+        outs = [*logits, *feats]
+        for tokens, trees in steps:
+            logits, feats = model.forward_packed(tokens, caches, trees=trees)
+            outs += [*logits, *feats]
+        kv = [torch.cat([c.k[i][:, :, : c.length] for c in caches], dim=2) for i in range(len(caches[0].k))]
+        return outs, kv
+
+
+def test_stack_gives_the_python_loops_bits(monkeypatch):
+    model = bf16_target()
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # two branches
+    steps = [
+        ([torch.tensor([5]) for _ in range(5)], None),  # plain decoding
+        ([torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 2, 4, 1, 3)], [tree, None, None, None, None]),
+    ]
+    with_stack, kv_stack = run(model, True, monkeypatch, steps)
+    without, kv_plain = run(model, False, monkeypatch, steps)
+    assert len(with_stack) == len(without)
+    for a, b in zip(with_stack, without):
+        assert torch.equal(a, b)
+    for a, b in zip(kv_stack, kv_plain):
+        assert torch.equal(a, b)
+
+
+def test_stack_is_taken_and_follows_weight_changes(monkeypatch):
+    """The C++ loop runs for a bfloat16 model on AMX, and a weight changed in place or a new Parameter
+    assigned after a forward is what the next forward multiplies with (its packed weights are rebuilt)."""
+    model = bf16_target()
+    calls = []
+    ext = stack_cpu.load()
+
+    class Counting:
+        def forward_layers(self, *args):
+            calls.append(1)
+            return ext.forward_layers(*args)
+
+    monkeypatch.setattr(stack_cpu, "load", lambda: Counting())
+    tokens = [torch.tensor([1, 2, 3])]
+
+    def logits():
+        return model.forward_packed(tokens, [model.new_cache(1, 16)])[0][0]
+
+    before = logits()
+    assert calls == [1]
+    down = model.model.layers[1].mlp.down_proj
+    with torch.no_grad():
+        down.weight.mul_(2)
+    changed = logits()
+    assert not torch.equal(changed, before)
+    down.weight = nn.Parameter(torch.randn_like(down.weight), requires_grad=False)
+    replaced = logits()
+    monkeypatch.setattr(stack_cpu, "load", lambda: None)
+    assert torch.equal(replaced, logits())
+    assert len(calls) == 3 and amx_cpu.available()
