@@ -31,7 +31,8 @@ def _build_dir(name: str, source: Path) -> Path:
         flags = ""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the sources include
     included = re.findall(r'^#include "(\w+\.cpp)"', source.read_text(), flags=re.M)  # kernels built into this one
-    parts = source.read_bytes() + b"".join((source.parent / f).read_bytes() for f in included) + headers + torch.__version__.encode() + flags.encode() + " ".join(CFLAGS).encode()
+    sources = source.read_bytes() + b"".join((source.parent / f).read_bytes() for f in included) + headers
+    parts = sources + torch.__version__.encode() + flags.encode() + " ".join(CFLAGS).encode()
     key = hashlib.sha256(parts).hexdigest()[:16]
     base = os.environ.get("ADAFLASH_KERNEL_CACHE") or Path(user_cache_dir("adaflash")) / "kernels"
     root = Path(base) / f"{name}-{key}"
