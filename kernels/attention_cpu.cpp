@@ -197,8 +197,15 @@ void values_all(int64_t nq, const float* s, int64_t width, const T* vb, const in
 
 // s[0..m) <- exp(s - max s), zero up to the next multiple of 16; -> their sum (lanes fixed by the key index)
 inline float softmax_weights(float* s, int64_t m) {
+  v16 mx16 = v16{} - INFINITY;  // the max in 16 lanes, then across them: the same value in any order (a scalar
+  int64_t j = 0;                // chain of compares was a third of a verify step's attention)
+  for (; j + 16 <= m; j += 16) {
+    const v16 x = load(s + j);
+    mx16 = x > mx16 ? x : mx16;
+  }
   float mx = -INFINITY;
-  for (int64_t c = 0; c < m; ++c) mx = s[c] > mx ? s[c] : mx;
+  for (int l = 0; l < 16; ++l) mx = mx16[l] > mx ? mx16[l] : mx;
+  for (; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
   v16 total = {};
   for (int64_t c = 0; c < m; c += 16) {
     v16 e = exp16(load(s + c) - mx);
@@ -377,6 +384,8 @@ void attend_all(const torch::Tensor& q, const T* kp, const T* vp, const torch::T
       }
       for (; c0 < nc; ++c0)
         for (int64_t qi = 0; qi < nq; ++qi) s[qi * width + c0] = score(qp + qo[qi], kb + static_cast<int64_t>(cs[c0]) * d, d, sc);
+      for (int64_t c = 0; c < nc; ++c)  // the context's V rows, on their way while the softmax runs
+        for (int64_t o = 0; o < d; o += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(vb + static_cast<int64_t>(cs[c]) * d + o);
       sums.resize(nq);
       // a long bfloat16 block (a prefill) is widened once for all the item's queries (exact: the same bits)
       const bool wide = !amx && !std::is_same<T, float>::value && n >= 16 && nq > 1;
