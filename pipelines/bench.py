@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from adaflash.engine import POLICIES, Engine, Request, known_policy, make_policy
 from adaflash.layers import prepack
+from adaflash.venvs import REPO, venv_python
 
 ENGINE_METHODS = tuple(POLICIES)  # the engine's verify policies (plus fixedK)
 HF_METHODS = ("hf", "hf-pld")
@@ -335,11 +336,8 @@ def run_peer_script(python: Path, script: Path, job: dict, stem: Path, env: dict
 
 def llamacpp_python(configured: str | None = None) -> Path:
     """The Python of llama.cpp's venv: the argument, $ADAFLASH_LLAMACPP_PYTHON, or the repo's .venv-llamacpp."""
-    repo = Path(__file__).resolve().parents[1]
-    path = Path(configured or os.environ.get("ADAFLASH_LLAMACPP_PYTHON") or repo / ".venv-llamacpp" / "bin" / "python")
-    if not path.exists():
-        raise FileNotFoundError(f"no llama.cpp Python at {path}: run `make llamacpp` (builds llama-cpp-python into .venv-llamacpp)")
-    return path
+    return venv_python("llama.cpp", configured, "ADAFLASH_LLAMACPP_PYTHON", [REPO / ".venv-llamacpp" / "bin" / "python"],
+                       "run `make llamacpp` (builds llama-cpp-python into .venv-llamacpp)")  # fmt: skip
 
 
 def run_llamacpp_peer(cells: list[tuple[str, int, list[BenchPrompt]]], max_new: int, ctx: dict) -> dict:
