@@ -388,10 +388,16 @@ class CostPolicy(VerifyPolicy):
         cum = self.prior.predict(prior_features(self.running.rate(ids), self.k_blk - 1)).cumprod(-1)  # [R, K-1]
         secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.numel()))  # [R*(K-1) + 1]
         pending = torch.tensor([float(s.context_tokens) for s in states], dtype=torch.float64)  # [R] tokens to extend
+        # extending a request's drafter cache is paid once for all its later drafted steps (a new request's whole
+        # prompt): charged whole to one step it made a request that had not drafted for a while (or at all)
+        # never start, its pending context growing every step; spread over the steps it has left instead
+        left = torch.tensor([float(max(1, s.req.max_new_tokens - len(s.out))) for s in states], dtype=torch.float64)  # [R]
+        horizon = (left / (1.0 + cum.sum(-1).double())).clamp(min=1.0)  # [R] drafted steps left at the expected tokens a step
         k = self.overrun.k
-        draft_s, extra_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
+        draft_s, extend_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
+        extra_s = extend_s / horizon  # [R]
         self._save_explore(float(secs[0]))
-        force = self._probes(ids, extra_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0])
+        force = self._probes(ids, extend_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0])  # paid whole
         plan = plan_drafts(cum, secs, n_req, draft_s, force, extra_s)
         self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
         self._idle = None if bool(plan.draft.any()) else (ids, others)

@@ -571,3 +571,20 @@ def test_undrafted_requests_cost_the_drafter_nothing():
             assert extended == [] and drafted_steps == 0
         else:
             assert 0 < len(extended) <= drafted_steps + len(reqs) and any(n > 1 for call in extended for n in call)
+
+
+def test_a_long_prompt_to_extend_does_not_keep_a_request_from_drafting():
+    """Extending a request's drafter cache with its prompt is paid once for all its drafted steps, so the plan
+    spreads it over the steps the request has left: 8 requests with 400 prompt tokens each, drafts accepted
+    at 0.6, draft where they have 256 tokens to go. With 2 tokens to go the whole extension falls on this step
+    and they do not. (Charged whole to one step, it kept such requests at plain decoding for good.)"""
+
+    def picks(max_new: int) -> list[bool]:
+        policy = CostPolicy(staircase_cost(), 16)
+        policy.prior = AcceptanceModel([0.4, 0.0, 0.0], prior=1e6)  # P = 0.6 at every position
+        st = [RequestState(Request(f"r{i}", [1, 2, 3], max_new), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
+        for s in st:
+            s.add_context(torch.zeros(400, 4))
+        return policy.select(st)
+
+    assert all(picks(256)) and not any(picks(2))
