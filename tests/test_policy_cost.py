@@ -588,3 +588,20 @@ def test_a_long_prompt_to_extend_does_not_keep_a_request_from_drafting():
         return policy.select(st)
 
     assert all(picks(256)) and not any(picks(2))
+
+
+def test_the_overrun_factor_prices_the_drafting_pass_not_the_verification():
+    """Steps where drafting costs twice what the drafting pass's model says (the work around the pass), and the
+    verification what its own model says, teach k = 2 for drafting; the verify curve the plans read stays the
+    measured one (plus o), not scaled by k."""
+    policy = CostPolicy(staircase_cost(), 16)
+    for _ in range(60):
+        plain_s = policy.cost.verify(32, 32)
+        policy.observe_timing((32, 32, plain_s), None)  # a plain step, as predicted: pins o = 0
+        policy.observe_step(plain_s)
+        verify_s, draft_s = policy.cost.verify(32, 128), policy.cost.draft(32, 4, 128)
+        policy.observe_timing((32, 128, verify_s), (32, 4, draft_s, 128))  # (requests, tokens, s), (drafted, block, s, context)
+        policy.observe_step(verify_s + 2 * draft_s)  # as much again around the drafting pass
+    assert policy.overrun.o == pytest.approx(0.0, abs=1e-6) and policy.overrun.k == pytest.approx(2.0, rel=0.1)
+    secs = policy.cost.verify_curve(32, 32, 15)
+    assert torch.allclose(policy._priced(secs), secs)
