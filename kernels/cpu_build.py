@@ -5,10 +5,16 @@ compiler fuses no multiply-add, so an operation gives the same bits in a vector 
 without which at::parallel_for runs on one thread) into
 ~/.cache/adaflash/kernels/<name>-<hash of source, torch version and CPU flags> (or $ADAFLASH_KERNEL_CACHE).
 Where the build fails (no compiler) the caller gets None and a warning that says what to install.
+
+A build holds an flock on <build dir>/.build.lock, which the OS drops when the process dies: torch's own
+baton (<build dir>/lock, a file that only its creator removes) is left behind by a process killed mid-build
+(a server stopped while it compiles), and every later load would wait on it forever. Under the flock no
+live build of ours owns that file, so it is removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -60,14 +66,18 @@ def build(name: str, source: Path, fallback: str):
             try:
                 from torch.utils.cpp_extension import load as cpp_load
 
-                _built[name] = cpp_load(
-                    name=f"adaflash_{name}",
-                    sources=[str(source)],
-                    extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(_build_dir(name, source)),
-                    verbose=False,
-                )
+                root = _build_dir(name, source)
+                with open(root / ".build.lock", "w") as held:
+                    fcntl.flock(held, fcntl.LOCK_EX)  # one build per directory across processes; dropped if we die
+                    (root / "lock").unlink(missing_ok=True)  # torch's baton, stale: its builder is gone
+                    _built[name] = cpp_load(
+                        name=f"adaflash_{name}",
+                        sources=[str(source)],
+                        extra_cflags=CFLAGS,
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(root),
+                        verbose=False,
+                    )
             except Exception as e:  # no compiler, no ninja, a failed build
                 warnings.warn(
                     f"CPU kernel {name} not built ({type(e).__name__}: {str(e)[:300]}); {fallback} "

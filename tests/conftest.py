@@ -3,6 +3,7 @@ target directory that carries SmolLM2's real tokenizer (so chat templates and th
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import shutil
 from pathlib import Path
@@ -12,6 +13,15 @@ import torch
 
 from adaflash.drafter import Drafter, DrafterConfig
 from adaflash.target import TargetConfig, TargetModel
+
+WATCHDOG_S = 2400  # the whole run takes ~14 min on two cores
+
+
+def pytest_configure(config):
+    """A watchdog over the whole run: a hang that no test timeout reaches (collection, or C++ code that keeps
+    the main thread) prints every thread's stack and ends the run, so CI says where it hung instead of
+    only running out of time."""
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
 
 
 def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.3, head_dim: int = 16) -> TargetModel:
