@@ -75,7 +75,7 @@ browser: $(CHROMIUM)
 test: install vllm browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -v -ra --durations=15  # -v: a line per test, so a run cut short shows where it stopped
 
 test-fast: install browser
 	$(PY) -m pytest -q -m "not slow"
