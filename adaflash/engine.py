@@ -325,6 +325,11 @@ class Engine:
         self.k_blk = drafter.block_size if drafter is not None else 1
         tree_len = 1 + tree + min(lookup, self.k_blk - 1) if tree else 0
         self.max_verify = max(self.k_blk, lookup + 1, tree_len)  # the most tokens a request appends in one step
+        # a new request's expected verify tokens a step (for admission): what this engine's rounds have
+        # verified lately (1 before any), not the whole block; a policy that mostly decodes plainly admitted
+        # prompts as if every newcomer would verify 16 tokens, and so prefilled in more, smaller calls than
+        # plain decoding. A step that would verify more than the budget is trimmed (`_fit_budget`).
+        self.ema_verify_all = 1.0
         self.waiting: deque[Request] = deque()
         self.running: list[RequestState] = []
         self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "max_step_tokens": 0, "swaps": 0}
@@ -415,7 +420,7 @@ class Engine:
                 torch.Generator(device=dev).manual_seed(req.seed),
                 t_start=time.perf_counter(),
             )
-            st.ema_verify, st.admitted = float(self.k_blk), True
+            st.ema_verify, st.admitted = self.ema_verify_all, True
             new.append(st)
         if not new:
             return []
@@ -502,6 +507,7 @@ class Engine:
         self.stats["verify_tokens"] += tokens
         self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], tokens)
         new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
+        self.ema_verify_all += self.ema_alpha * (tokens / len(plans) - self.ema_verify_all)
         if self.policy.drafts:  # the drafter reads them when this request drafts next (_draft)
             for p, ft in zip(plans, new_feats):
                 p.st.add_context(ft)

@@ -294,3 +294,26 @@ def test_batched_trees_with_lookup_are_lossless_and_batch_invariant(budget):
             assert rd.draft[:n] == rd.target[:n] and (len(rd.draft) == n or rd.draft[n] != rd.target[n])
     tree_rounds = [rd for r, s in zip(reqs, states) if r.temperature == 0 for rd in s.rounds]
     assert any(rd.verify_len > 2 and rd.accepted > 0 for rd in tree_rounds)
+
+
+def test_admission_reads_what_rounds_verify_not_the_block_size():
+    """A drafting engine whose rounds verify one token admits new requests as plain decoding does: a
+    newcomer's expected verify tokens (what the token budget keeps room for) follow the engine's recent
+    rounds. Counted as the whole block, they made it prefill the same prompts in more, smaller calls."""
+    target = tiny_target(3)
+    drafter = tiny_drafter(target, 3, block_size=8)
+    reqs = [Request(f"r{i}", [1 + i % 7, 2, 3, 4, 5, 6, 7, 8, 9, 10], max_new_tokens=6 + i % 5) for i in range(24)]
+
+    def admissions(engine: Engine) -> list[tuple[int, int]]:
+        seen = []
+        for r in reqs:
+            engine.submit(r)
+        while engine.waiting or engine.running:
+            before = len(engine.waiting)
+            engine.step()
+            seen.append((engine.stats["steps"], before - len(engine.waiting)))
+        return [s for s in seen if s[1]]
+
+    plain = admissions(Engine(target, None, ARPolicy(), eos_ids=[], max_batch=8, token_budget=40))
+    one = admissions(Engine(target, drafter, FixedPolicy(1), eos_ids=[], max_batch=8, token_budget=40))
+    assert len(plain) > 3 and one == plain
