@@ -44,7 +44,9 @@ from adaflash.engine import RequestState, VerifyPolicy
 EPS = 1e-4
 PROBE_SYNC = 4  # undrafted requests are probed on every 4th step only, together
 PROBE_SHARE = 8  # at most one request in 8 (or two) is probed in a step
-EXPLORE = 0.02  # probes spend at most this share of the time (see CostPolicy._probes)
+EXPLORE = 0.02  # probes spend at most this share of the time (see CostPolicy._probes) ...
+PAYOFF_FLOOR = 0.125  # ... times the share of recent probes that paid, never below this
+PAYOFF_FORGET = 0.9  # that share: over about the last 10 probes
 PRIOR_NAMES = ("bias", "log_pos", "running")  # features before drafting
 BLOCK_NAMES = ("bias", "confidence", "log_pos", "running")  # after drafting
 
@@ -361,6 +363,11 @@ class CostPolicy(VerifyPolicy):
         self._block = block_size
         self.overrun = Overrun()
         self.explore = 0.0  # seconds the next probes may cost (EXPLORE of every step's, saved up)
+        # the share of recent probes that paid (their request drafted at its next plan unforced): where
+        # probes keep finding nothing (a domain the drafter cannot follow) they are spent less often, down
+        # to PAYOFF_FLOOR of EXPLORE; one that pays raises it again
+        self.payoff = 1.0
+        self._probed: set[str] = set()  # probed requests whose next plan has not yet said whether it paid
         self._excess: tuple[float, float] | None = None  # this step's (t_T without drafts, E) for observe_step
         # (request ids, others) of a step where nobody drafted: until the next probe step, the same batch
         # is not drafted again without planning (what the plan reads moves only when a round verifies
@@ -405,6 +412,7 @@ class CostPolicy(VerifyPolicy):
         self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
         self._idle = None if bool(plan.draft.any()) else (ids, others)
         self._idle_secs = float(secs[0])
+        self._score_probes(ids, plan.draft.tolist(), force.tolist())
         self.forced = {i for i, f in zip(ids, force.tolist()) if f}
         for i, d in zip(ids, plan.draft.tolist()):
             self._after_plan(i, d)
@@ -413,8 +421,18 @@ class CostPolicy(VerifyPolicy):
         return plan.draft.tolist()
 
     def _save_explore(self, step_s: float) -> None:
-        """Add EXPLORE of a step of `step_s` seconds to the probes' budget, saved up over 256 steps at most."""
-        self.explore = min(self.explore + EXPLORE * step_s, 256 * EXPLORE * step_s)
+        """Add EXPLORE (times the probes' recent payoff) of a step of `step_s` seconds to the probes'
+        budget, saved up over 256 steps at most."""
+        share = EXPLORE * max(PAYOFF_FLOOR, self.payoff)
+        self.explore = min(self.explore + share * step_s, 256 * share * step_s)
+
+    def _score_probes(self, ids: list[str], draft: list[bool], force: list[bool]) -> None:
+        """A request probed earlier and planned now unforced: its probe paid if the plan drafts it."""
+        for i, d, f in zip(ids, draft, force):
+            if i in self._probed and not f:
+                self.payoff = PAYOFF_FORGET * self.payoff + (1.0 - PAYOFF_FORGET) * float(d)
+                self._probed.discard(i)
+        self._probed |= {i for i, f in zip(ids, force) if f}
 
     def _priced(self, secs: torch.Tensor) -> torch.Tensor:
         """Verify seconds [M] -> the step's seconds as learnt from whole steps: the work outside the
@@ -428,7 +446,8 @@ class CostPolicy(VerifyPolicy):
         first, as far as the exploration budget (`explore`, EXPLORE of every step's time) pays for
         them: cost [R] the seconds each would add (its drafting, the context it extends first, one
         more token verified), d_pass those of the drafter pass they share. Exploring so costs at most
-        EXPLORE of the time where drafting does not pay."""
+        EXPLORE of the time where drafting does not pay, and PAYOFF_FLOOR of that where recent probes
+        found nothing that paid."""
         force = torch.zeros(len(ids), dtype=torch.bool)
         if self.steps % PROBE_SYNC:
             return force
@@ -461,6 +480,7 @@ class CostPolicy(VerifyPolicy):
             self.skipped.pop(i, None)
             self.probe_every.pop(i, None)
             self.pending.pop(i, None)
+            self._probed.discard(i)
         self.running.forget(gone)
         gone = [i for i in self.chain_refused if i not in live]
         for i in gone:

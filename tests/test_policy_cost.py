@@ -412,6 +412,35 @@ def test_probes_spend_at_most_their_share_of_the_time():
     assert spent <= EXPLORE * 400 * staircase_cost().verify(8, 8) + 0.1 and 0 < n_long < n_short
 
 
+def test_probes_that_keep_finding_nothing_are_spent_less_often(monkeypatch):
+    """Where every probe finds drafting still does not pay, the exploration budget shrinks with the
+    probes' payoff (to PAYOFF_FLOOR of EXPLORE); where probes lead to drafting it keeps its full share."""
+    from adaflash import policy_cost
+
+    def run(pays: bool) -> tuple[float, int]:
+        policy = CostPolicy(staircase_cost(), 16)
+        policy.prior = AcceptanceModel([0.0, 0.0, 1.0], prior=1e6)  # pinned: P = running acceptance
+        st = [RequestState(Request(f"r{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
+        ids = [s.req.request_id for s in st]
+        policy.running.g_acc, policy.running.g_seen = 0.0, 1e6  # the traffic's acceptance: nothing
+        probes = 0
+        for step in range(1200):
+            picks = policy.select(st)
+            probes += len(policy.forced) if step >= 600 else 0
+            for i, p in zip(ids, picks):  # a probe's round: all accepted (it pays) or nothing
+                if i in policy.forced:
+                    policy.running.acc[i], policy.running.seen[i] = (1e3, 1e3) if pays else (0.0, 1e3)
+                elif p:  # drafted by the plan after a paying probe; then its text turns unpredictable
+                    policy.running.acc[i], policy.running.seen[i] = 0.0, 1e3
+        return policy.payoff, probes
+
+    payoff, late = run(pays=False)
+    assert payoff < 2 * policy_cost.PAYOFF_FLOOR
+    assert run(pays=True)[0] > 0.9
+    monkeypatch.setattr(policy_cost, "PAYOFF_FORGET", 1.0)  # the payoff pinned at 1: probes at their full share
+    assert 0 < late < 0.4 * run(pays=False)[1]
+
+
 def test_undrafted_batch_skips_planning_without_changing_a_decision():
     """Between probe steps a batch where nobody drafted is not planned again (the policy's work stays off
     the step where drafting does not pay): the same picks, probes and back-offs as planning every step."""
