@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -145,6 +146,7 @@ class StepCost:
         self.knee = 0 if rows else fit_knee(self.points["target"])
         self._g = rows_feature(rows) if rows else None  # [max N + 1] g(N) in seconds
         self._g_at = self.g(torch.arange(len(self._g) if self._g is not None else 257)).tolist()  # g(0 ..) as floats
+        self._g_arr = np.array(self._g_at)  # the same in NumPy, for verify_curve (every step, twice)
         self.target = Linear(["1", "R", "N"], [self._x(r, n) for r, n, _ in target_points], [t for *_, t in target_points], forget)
         self.drafter = Linear(
             ["1", "Rd", "RdLd", "Cx"], [[1.0, r, r * ld, cx] for r, ld, cx, _ in drafter_points], [t for *_, t in drafter_points], forget
@@ -168,10 +170,16 @@ class StepCost:
         return max(self.target(*self._x(r, n)), 1e-6)
 
     def verify_curve(self, r: int, n: int, extra: int) -> torch.Tensor:
-        """[extra + 1] seconds of verifying N = n .. n + extra tokens over r requests (non-decreasing)."""
-        g = self.g(torch.arange(n, n + extra + 1))  # [extra + 1]
+        """[extra + 1] seconds (float64) of verifying N = n .. n + extra tokens over r requests (non-decreasing)."""
+        idx = np.arange(n, n + extra + 1)
+        top = len(self._g_arr) - 1
+        if self._g is None:  # the knee model: g(N) = max(N - knee, 0)
+            g = np.maximum(idx - self.knee, 0).astype(np.float64)
+        else:  # as `g`, in NumPy: this runs twice a step
+            slope = (self._g_at[top] - self._g_at[top // 2]) / (top - top // 2)
+            g = self._g_arr[np.minimum(idx, top)] + slope * np.maximum(idx - top, 0)
         a0, a1 = self.target.theta[0], self.target.theta[1]
-        return (a0 + a1 * r + self.per_token * g).clamp(min=1e-6)
+        return torch.from_numpy(np.maximum(a0 + a1 * r + self.per_token * g, 1e-6))
 
     def draft(self, rd: int, ld: int, cx: int = 0) -> float:
         return max(self.drafter(1.0, rd, rd * ld, cx), 0.0) if rd else 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
@@ -634,3 +635,24 @@ def test_the_overrun_factor_prices_the_drafting_pass_not_the_verification():
     assert policy.overrun.o == pytest.approx(0.0, abs=1e-6) and policy.overrun.k == pytest.approx(2.0, rel=0.1)
     secs = policy.cost.verify_curve(32, 32, 15)
     assert torch.allclose(policy._priced(secs), secs)
+
+
+def test_one_round_does_not_throw_the_prior_model_past_its_labels():
+    """The Laplace update takes the posterior's mode (damped Newton steps), not one undamped step: a
+    round that accepted 3 drafts of 7 verified (the rest labelled with the block model's P) left a single
+    step's prior model at P = 0.004 for position 1 where it was 0.97, and a request served alone stopped
+    drafting for dozens of steps. After the update the model sits at the mode: the objective's gradient
+    is zero there, and position 1 is still likely."""
+    model = AcceptanceModel([0.0, 0.0, 1.0])  # as CostPolicy's prior model starts
+    run = torch.tensor([0.94])
+    x = prior_features(run, 15)[0]  # [15, 3]
+    y = torch.tensor([1.0, 1.0, 1.0, 0.0] + [0.3] * 11, dtype=torch.float64)
+    before = model.theta.copy()
+    model.update(x, y)
+    p1 = float(model.predict(prior_features(run, 1))[0, 0])
+    assert 0.5 < p1 < 0.97
+    xs, t = x.numpy(), model.theta
+    p = 1 / (1 + np.exp(-(xs @ t)))
+    decay = model.forget**15
+    grad = xs.T @ (y.numpy() - p) - decay * 1.0 * (t - before) - (1 - decay) * 1.0 * (t - model.theta0)
+    assert np.abs(grad).max() < 1e-3
