@@ -185,7 +185,8 @@ def lookup_chain(history: list[int], length: int, max_ngram: int = 3, min_ngram:
     the block drafter, conditioned on features, misses many of those, a string match does not."""
     if length <= 0 or len(history) < 2:
         return []
-    ends = (torch.tensor(history[:-1]) == history[-1]).nonzero().flatten().tolist()  # earlier places of the last token
+    last = history[-1]  # earlier places of the last token (plain Python: a tensor of the history cost 6x the search,
+    ends = [i for i, t in enumerate(history[:-1]) if t == last]  # and this runs for every request every step)
     for n in range(min(max_ngram, len(history) - 1), max(min_ngram, 1) - 1, -1):
         tail = history[-n:]
         for j in reversed(ends):  # most recent first; the suffix itself (ending at the last token) excluded
