@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,11 +18,17 @@ from adaflash.target import TargetConfig, TargetModel
 WATCHDOG_S = 2400  # the whole run takes ~14 min on two cores
 
 
+_watchdog_out = None  # a copy of the terminal's stderr: pytest's capture redirects fd 2 while tests run
+
+
 def pytest_configure(config):
     """A watchdog over the whole run: a hang that no test timeout reaches (collection, or C++ code that keeps
     the main thread) prints every thread's stack and ends the run, so CI says where it hung instead of
-    only running out of time."""
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    only running out of time. It writes to a duplicate of stderr taken now (capture is suspended here): to
+    fd 2 itself the stacks would land in the capture's temporary file and be lost with the process."""
+    global _watchdog_out
+    _watchdog_out = os.fdopen(os.dup(2), "w")
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=_watchdog_out)
 
 
 def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 4, std: float = 0.3, head_dim: int = 16) -> TargetModel:
