@@ -48,6 +48,7 @@ PROBE_SHARE = 8  # at most one request in 8 (or two) is probed in a step
 EXPLORE = 0.02  # probes spend at most this share of the time (see CostPolicy._probes) ...
 PAYOFF_FLOOR = 0.125  # ... times the share of recent probes that paid, never below this
 PAYOFF_FORGET = 0.9  # that share: over about the last 10 probes
+LABEL_BATCH = 32  # labels the acceptance models gather before a refit
 PRIOR_NAMES = ("bias", "log_pos", "running")  # features before drafting
 BLOCK_NAMES = ("bias", "confidence", "log_pos", "running")  # after drafting
 
@@ -102,11 +103,13 @@ class AcceptanceModel:
     a new domain moves it within a few hundred labels (a few steps of a batch) and it never drifts where
     no label arrives."""
 
-    def __init__(self, theta0: list[float], prior: float = 1.0, forget: float = 0.995, iters: int = 6):
+    def __init__(self, theta0: list[float], prior: float = 1.0, forget: float = 0.995, iters: int = 6, batch: int = 1):
         self.theta0 = np.array(theta0, dtype=np.float64)  # [d]; NumPy: a few tiny ops every step, where
         self.theta = self.theta0.copy()  # torch's per-call overhead was most of the policy's time
         self.prior, self.forget, self.iters = prior, forget, iters
         self.info = prior * np.eye(len(theta0))  # [d, d]
+        self.batch = batch  # labels gathered before a refit (`update`)
+        self._held: list[tuple[np.ndarray, np.ndarray]] = []
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Features [..., d] -> P(accepted) [...] (float64)."""
@@ -123,7 +126,11 @@ class AcceptanceModel:
         position 1, and a request served at concurrency 1 stopped drafting for dozens of steps."""
         if x.shape[0] == 0:
             return
-        xs, ys = _np(x), _np(y)  # [n, d], [n]
+        self._held.append((_np(x), _np(y)))
+        if sum(len(h[1]) for h in self._held) < self.batch:  # refit once `batch` labels are in: a refit costs the
+            return  # same for 15 labels as for 60, and at concurrency 1 a step brings one round's
+        xs, ys = (np.concatenate(a) for a in zip(*self._held)) if len(self._held) > 1 else self._held[0]  # [n, d], [n]
+        self._held = []
         decay = self.forget ** xs.shape[0]
         keep = (1 - decay) * self.prior
         old = decay * self.info  # [d, d] the past labels' information, decayed
@@ -273,7 +280,7 @@ def plan_drafts(
     again on the rest; where no request can pay, plain decoding is chosen without any scan."""
     r = cum.shape[0]
     c, t = _np(cum), _np(secs)
-    force = np.zeros(r, dtype=bool) if force is None else force.numpy().astype(bool)
+    force = np.zeros(r, dtype=bool) if force is None else np.asarray(_np(force) > 0)
     extra = np.zeros(r) if extra_s is None else _np(extra_s)
     plain = _Plan(np.zeros(r, dtype=bool), 0, np.ones(r, dtype=np.int64), fixed_gain / float(t[0]))
     own = extra + draft_s[1] + 2 * draft_s[2]  # [R] the least a request's drafting costs
@@ -399,9 +406,9 @@ class Overrun:
 class _Pending:
     """A drafted request's features this step, labelled once it is verified."""
 
-    x: torch.Tensor  # [J, 4] block features
-    xp: torch.Tensor  # [J, 3] prior features
-    p: torch.Tensor  # [J] the block model's predictions
+    x: np.ndarray  # [J, 4] block features
+    xp: np.ndarray  # [J, 3] prior features
+    p: np.ndarray  # [J] the block model's predictions
 
 
 def _labelled(pending: dict, states, accepted, running: Running, n_pos) -> list[tuple]:
@@ -434,10 +441,11 @@ class CostPolicy(VerifyPolicy):
 
     def __init__(self, cost: StepCost, block_size: int, slack: int = 1, forget: float = 0.995, prior: float = 1.0):
         self.cost, self.k_blk, self.slack = cost, block_size, slack
-        self.block = AcceptanceModel([0.0, 1.0, 0.0, 0.0], prior, forget)  # starts as P = the drafter's confidence
-        self.prior = AcceptanceModel([0.0, 0.0, 1.0], prior, forget)  # starts as P = the running acceptance
+        # refitted once LABEL_BATCH labels are in (a few rounds at concurrency 1, every step at 8 or more)
+        self.block = AcceptanceModel([0.0, 1.0, 0.0, 0.0], prior, forget, batch=LABEL_BATCH)  # starts as P = the drafter's confidence
+        self.prior = AcceptanceModel([0.0, 0.0, 1.0], prior, forget, batch=LABEL_BATCH)  # starts as P = the running acceptance
         self.running = Running()
-        self.chain = AcceptanceModel([0.0, 0.0, 1.0], prior, forget)  # lookup chains: position, running chain acceptance
+        self.chain = AcceptanceModel([0.0, 0.0, 1.0], prior, forget, batch=LABEL_BATCH)  # lookup chains: position, running chain acceptance
         self.running_chain = Running()
         self.chain_pending: dict[str, torch.Tensor] = {}  # request -> [J, 3] features of its verified chain
         self.chain_refused: dict[str, int] = {}  # request -> chains refused since its last verified one
@@ -483,14 +491,15 @@ class CostPolicy(VerifyPolicy):
                 self._after_plan(i, False)
             self._chained = []
             return [False] * len(ids)
-        cum = self.prior.predict(prior_features(self.running.rate(ids), self.k_blk - 1)).cumprod(-1)  # [R, K-1]
-        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.numel()))  # [R*(K-1) + 1]
-        pending = torch.tensor([float(s.context_tokens) for s in states], dtype=torch.float64)  # [R] tokens to extend
+        xp = prior_features(self.running.rate(ids), self.k_blk - 1).numpy()  # [R, K-1, 3] (NumPy from here: every step)
+        cum = np.cumprod(_sigmoid(xp @ self.prior.theta), -1)  # [R, K-1]
+        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size).numpy())  # [R*(K-1) + 1]
+        pending = np.array([float(s.context_tokens) for s in states])  # [R] tokens to extend
         # extending a request's drafter cache is paid once for all its later drafted steps (a new request's whole
         # prompt): charged whole to one step it made a request that had not drafted for a while (or at all)
         # never start, its pending context growing every step; spread over the steps it has left instead
-        left = torch.tensor([float(max(1, s.req.max_new_tokens - len(s.out))) for s in states], dtype=torch.float64)  # [R]
-        horizon = (left / (1.0 + cum.sum(-1).double())).clamp(min=1.0)  # [R] drafted steps left at the expected tokens a step
+        left = np.array([float(max(1, s.req.max_new_tokens - len(s.out))) for s in states])  # [R]
+        horizon = np.maximum(left / (1.0 + cum.sum(-1)), 1.0)  # [R] drafted steps left at the expected tokens a step
         k = self.overrun.k
         draft_s, extend_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
         extra_s = extend_s / horizon  # [R]
@@ -527,7 +536,7 @@ class CostPolicy(VerifyPolicy):
         passes added (the drafting pass, priced apart, carries the overrun factor k)."""
         return secs + self.overrun.o
 
-    def _probes(self, ids: list[str], cost: torch.Tensor, d_pass: float) -> torch.Tensor:
+    def _probes(self, ids: list[str], cost: np.ndarray, d_pass: float) -> np.ndarray:
         """[R] bool: requests probed this step: those whose back-off has elapsed, on a step of the shared
         cadence (the probes of many requests then share one drafter pass instead of each paying one in
         a step of its own), at most one in PROBE_SHARE of the batch (or two), the longest skipped
@@ -536,7 +545,7 @@ class CostPolicy(VerifyPolicy):
         more token verified), d_pass those of the drafter pass they share. Exploring so costs at most
         EXPLORE of the time where drafting does not pay, and PAYOFF_FLOOR of that where recent probes
         found nothing that paid."""
-        force = torch.zeros(len(ids), dtype=torch.bool)
+        force = np.zeros(len(ids), dtype=bool)
         if self.steps % PROBE_SYNC:
             return force
         due = [j for j, i in enumerate(ids) if self.skipped.get(i, 0) >= self.probe_every.get(i, 4)]
@@ -546,7 +555,7 @@ class CostPolicy(VerifyPolicy):
                 break
             spend += float(cost[j])
             force[j] = True
-        if bool(force.any()):
+        if force.any():
             self.explore -= spend
         return force
 
@@ -618,17 +627,16 @@ class CostPolicy(VerifyPolicy):
         if n_pos < 1:
             return [1] * len(states), [float("nan")] * len(states)
         conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]) if logits is None else logits)  # [R, J]
-        run = self.running.rate(ids)  # [R]
-        x = block_features(conf, run)  # [R, J, 4]
-        cond = self.block.predict(x)  # [R, J]
-        cum = cond.cumprod(-1)
+        x = block_features(conf, self.running.rate(ids)).numpy()  # [R, J, 4] (NumPy from here: every step)
+        cond = _sigmoid(x @ self.block.theta)  # [R, J]
+        cum = np.cumprod(cond, -1)
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
         spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
-        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.numel())) + spent  # [R*J + 1]
-        lens, _ = choose_lengths(cum, secs, n_req)
-        forced = torch.tensor([i in self.forced for i in ids], dtype=torch.bool)
-        lens = torch.where(forced, lens.clamp(min=2), lens)
-        xp = prior_features(run, n_pos)  # [R, J, 3]
+        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size).numpy()) + spent  # [R*J + 1]
+        lens = choose_lengths(cum, secs, n_req)[0].numpy()  # [R]
+        forced = np.array([i in self.forced for i in ids], dtype=bool)
+        lens = np.where(forced, np.maximum(lens, 2), lens)
+        xp = x[..., [0, 2, 3]]  # [R, J, 3] the prior features (bias, log position, running) within the block's
         for j, i in enumerate(ids):
             self.pending[i] = _Pending(x[j], xp[j], cond[j])
         return lens.tolist(), [float("nan")] * len(states)
