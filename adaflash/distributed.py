@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
+from pathlib import Path
 
 import torch
+
+STALE_BUILD_S = 1800  # a JIT build's lock file older than this has no live builder (a build takes ~1 minute)
 
 
 def init_distributed() -> None:
@@ -17,6 +21,7 @@ def init_distributed() -> None:
         init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="adaflash-dist-"), "store")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        clear_stale_build_locks()
     import deepspeed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -24,6 +29,25 @@ def init_distributed() -> None:
         deepspeed.init_distributed(dist_backend=backend)
     else:
         deepspeed.init_distributed(dist_backend=backend, init_method=init_method, rank=0, world_size=1)
+
+
+def clear_stale_build_locks(root: str | None = None, max_age_s: float = STALE_BUILD_S) -> list[Path]:
+    """Remove torch JIT-build lock files (`<extensions dir>/<op>/lock`) older than `max_age_s`: DeepSpeed builds
+    its CPU comm op on a process's first start, behind a lock file that only the builder removes, so a trainer
+    killed mid-build would leave every later start waiting forever. -> the paths removed."""
+    if root is None:
+        from torch.utils.cpp_extension import _get_build_directory  # the directory DeepSpeed's op builds use
+
+        root = str(Path(_get_build_directory("deepspeed_shm_comm", False)).parent)  # (DeepSpeed makes it anyway)
+    now, removed = time.time(), []
+    for lock in Path(root).glob("*/lock"):
+        try:
+            if now - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+        except OSError:  # gone meanwhile
+            continue
+    return removed
 
 
 def from_rank0(obj):

@@ -26,3 +26,20 @@ def test_a_stale_torch_baton_from_a_killed_build_does_not_block_the_next(tmp_pat
         assert not (cpu_build._build_dir("stale_probe", source) / "lock").exists()
     finally:
         cpu_build._built.pop("stale_probe", None)
+
+
+def test_deepspeeds_stale_jit_lock_is_cleared_before_a_start(tmp_path):
+    """A lock file left by a trainer killed while DeepSpeed JIT-built its CPU comm op is removed before the next
+    start (it would wait on it forever); a fresh one, a build in progress, is kept."""
+    import os
+    import time
+
+    from adaflash.distributed import STALE_BUILD_S, clear_stale_build_locks
+
+    old, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir()
+        lock.write_text("")
+    os.utime(old, (time.time() - STALE_BUILD_S - 60,) * 2)
+    assert clear_stale_build_locks(str(tmp_path)) == [old]
+    assert not old.exists() and fresh.exists()
