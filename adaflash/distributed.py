@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-STALE_BUILD_S = 1800  # a JIT build's lock file older than this has no live builder (a build takes ~1 minute)
+STALE_BUILD_S = 300  # a JIT build's lock file older than this has no live builder (a build takes ~1 minute)
 
 
 def init_distributed() -> None:
@@ -32,20 +32,22 @@ def init_distributed() -> None:
 
 
 def clear_stale_build_locks(root: str | None = None, max_age_s: float = STALE_BUILD_S) -> list[Path]:
-    """Remove torch JIT-build lock files (`<extensions dir>/<op>/lock`) older than `max_age_s`: DeepSpeed builds
-    its CPU comm op on a process's first start, behind a lock file that only the builder removes, so a trainer
-    killed mid-build would leave every later start waiting forever. -> the paths removed."""
+    """Wait for torch JIT-build lock files (`<extensions dir>/<op>/lock`) to go, or remove them once older than
+    `max_age_s`: DeepSpeed builds its CPU comm op on a process's first start behind a lock file that only the
+    builder removes, so a trainer killed mid-build would leave every later start waiting on it forever (torch
+    waits with no limit). A younger lock is a build in progress (another rank's): waited for. -> the paths removed."""
     if root is None:
         from torch.utils.cpp_extension import _get_build_directory  # the directory DeepSpeed's op builds use
 
         root = str(Path(_get_build_directory("deepspeed_shm_comm", False)).parent)  # (DeepSpeed makes it anyway)
-    now, removed = time.time(), []
+    removed = []
     for lock in Path(root).glob("*/lock"):
         try:
-            if now - lock.stat().st_mtime > max_age_s:
-                lock.unlink()
-                removed.append(lock)
-        except OSError:  # gone meanwhile
+            while time.time() - lock.stat().st_mtime <= max_age_s:
+                time.sleep(0.5)
+            lock.unlink()
+            removed.append(lock)
+        except OSError:  # gone: its build finished
             continue
     return removed
 

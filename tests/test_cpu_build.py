@@ -30,16 +30,20 @@ def test_a_stale_torch_baton_from_a_killed_build_does_not_block_the_next(tmp_pat
 
 def test_deepspeeds_stale_jit_lock_is_cleared_before_a_start(tmp_path):
     """A lock file left by a trainer killed while DeepSpeed JIT-built its CPU comm op is removed before the next
-    start (it would wait on it forever); a fresh one, a build in progress, is kept."""
+    start (torch would wait on it forever); a young one, a build in progress, is waited for until it goes."""
     import os
+    import threading
     import time
 
     from adaflash.distributed import STALE_BUILD_S, clear_stale_build_locks
 
-    old, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
-    for lock in (old, fresh):
+    old, live = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (old, live):
         lock.parent.mkdir()
         lock.write_text("")
     os.utime(old, (time.time() - STALE_BUILD_S - 60,) * 2)
+    finish = threading.Timer(1.0, live.unlink)  # the live build ends a second later
+    finish.start()
+    t0 = time.perf_counter()
     assert clear_stale_build_locks(str(tmp_path)) == [old]
-    assert not old.exists() and fresh.exists()
+    assert time.perf_counter() - t0 >= 0.9 and not old.exists() and not live.exists()
