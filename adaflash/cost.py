@@ -144,26 +144,25 @@ class StepCost:
         drafter_points = [tuple(p) if len(p) == 4 else (p[0], p[1], 0, p[2]) for p in drafter_points]
         self.points = {"target": list(target_points), "drafter": drafter_points, "rows": list(rows or [])}
         self.knee = 0 if rows else fit_knee(self.points["target"])
-        self._g = rows_feature(rows) if rows else None  # [max N + 1] g(N) in seconds
-        self._g_at = self.g(torch.arange(len(self._g) if self._g is not None else 257)).tolist()  # g(0 ..) as floats
-        self._g_arr = np.array(self._g_at)  # the same in NumPy, for verify_curve (every step, twice)
+        self._g = rows_feature(rows).numpy() if rows else None  # [max N + 1] g(N) in seconds
+        self._g_at = self.g(np.arange(len(self._g) if self._g is not None else 257)).tolist()  # g(0 ..) as floats
         self.target = Linear(["1", "R", "N"], [self._x(r, n) for r, n, _ in target_points], [t for *_, t in target_points], forget)
         self.drafter = Linear(
             ["1", "Rd", "RdLd", "Cx"], [[1.0, r, r * ld, cx] for r, ld, cx, _ in drafter_points], [t for *_, t in drafter_points], forget
         )
 
-    def g(self, n: torch.Tensor) -> torch.Tensor:
-        """Token counts [M] (long) -> the token feature [M]: the rows' measured cost beyond one row
-        (linear past the largest measured count), or tokens beyond the knee."""
+    def g(self, n: np.ndarray) -> np.ndarray:
+        """Token counts [M] (int) -> the token feature [M] (float64): the rows' measured cost beyond one row
+        (linear past the largest measured count), or tokens beyond the knee. NumPy: this runs every step."""
         if self._g is None:
-            return (n.double() - self.knee).clamp(min=0)
+            return np.maximum(n - self.knee, 0).astype(np.float64)
         top = len(self._g) - 1
         slope = (self._g[top] - self._g[top // 2]) / (top - top // 2)  # seconds per row at the far end
-        return self._g[n.clamp(max=top)] + slope * (n - top).clamp(min=0)
+        return self._g[np.minimum(n, top)] + slope * np.maximum(n - top, 0)
 
     def _x(self, r: int, n: int) -> list[float]:
         """Verify-cost features: 1, R, g(N) (read from a list: this runs several times a step)."""
-        g = self._g_at[n] if n < len(self._g_at) else float(self.g(torch.tensor([n]))[0])
+        g = self._g_at[n] if n < len(self._g_at) else float(self.g(np.array([n]))[0])
         return [1.0, float(r), g]
 
     def verify(self, r: int, n: int) -> float:
@@ -171,13 +170,7 @@ class StepCost:
 
     def verify_curve(self, r: int, n: int, extra: int) -> torch.Tensor:
         """[extra + 1] seconds (float64) of verifying N = n .. n + extra tokens over r requests (non-decreasing)."""
-        idx = np.arange(n, n + extra + 1)
-        top = len(self._g_arr) - 1
-        if self._g is None:  # the knee model: g(N) = max(N - knee, 0)
-            g = np.maximum(idx - self.knee, 0).astype(np.float64)
-        else:  # as `g`, in NumPy: this runs twice a step
-            slope = (self._g_at[top] - self._g_at[top // 2]) / (top - top // 2)
-            g = self._g_arr[np.minimum(idx, top)] + slope * np.maximum(idx - top, 0)
+        g = self.g(np.arange(n, n + extra + 1))  # [extra + 1]
         a0, a1 = self.target.theta[0], self.target.theta[1]
         return torch.from_numpy(np.maximum(a0 + a1 * r + self.per_token * g, 1e-6))
 

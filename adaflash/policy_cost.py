@@ -81,10 +81,8 @@ def block_features(conf: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
     """Drafter confidence [R, J], running acceptance [R] -> features [R, J, 4] (BLOCK_NAMES)."""
     r, n_pos = conf.shape
     x = np.empty((r, n_pos, 4))
-    x[..., 0] = 1.0
+    x[..., [0, 2, 3]] = prior_features(running, n_pos).numpy()
     x[..., 1] = _logit(conf)
-    x[..., 2] = np.log(np.arange(1, n_pos + 1))[None]
-    x[..., 3] = _logit(running)[:, None]
     return torch.from_numpy(x)
 
 
@@ -111,9 +109,10 @@ class AcceptanceModel:
         self.batch = batch  # labels gathered before a refit (`update`)
         self._held: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def predict(self, x: torch.Tensor) -> torch.Tensor:
-        """Features [..., d] -> P(accepted) [...] (float64)."""
-        return torch.from_numpy(_sigmoid(x.detach().double().numpy() @ self.theta))
+    def predict(self, x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        """Features [..., d] -> P(accepted) [...] (float64), a tensor for a tensor, an array for an array."""
+        p = _sigmoid(_np(x) @ self.theta)
+        return torch.from_numpy(p) if isinstance(x, torch.Tensor) else p
 
     def update(self, x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) -> None:
         """Observed features [n, d] with labels [n] in [0, 1] (a probability where the label is not seen).
@@ -129,7 +128,7 @@ class AcceptanceModel:
         self._held.append((_np(x), _np(y)))
         if sum(len(h[1]) for h in self._held) < self.batch:  # refit once `batch` labels are in: a refit costs the
             return  # same for 15 labels as for 60, and at concurrency 1 a step brings one round's
-        xs, ys = (np.concatenate(a) for a in zip(*self._held)) if len(self._held) > 1 else self._held[0]  # [n, d], [n]
+        xs, ys = (np.concatenate(a) for a in zip(*self._held))  # [n, d], [n]
         self._held = []
         decay = self.forget ** xs.shape[0]
         keep = (1 - decay) * self.prior
@@ -142,19 +141,15 @@ class AcceptanceModel:
             dt, d0 = t - mean, t - self.theta0
             return float((ys * _logsig(z) + (1 - ys) * _logsig(-z)).sum() - 0.5 * dt @ old @ dt - 0.5 * keep * d0 @ d0)
 
-        p = _sigmoid(xs @ mean)  # [n]
-        hess = base + xs.T @ (xs * (p * (1 - p))[:, None])  # [d, d]
-        step = np.linalg.solve(hess, xs.T @ (ys - p) - keep * (mean - self.theta0))  # [d] the first Newton step
-        if float(np.abs(xs @ step).max()) < 0.25:  # a small move of every prediction: the step is the mode
-            theta = mean + step
-            p = _sigmoid(xs @ theta)
-            self.theta, self.info = theta, base + xs.T @ (xs * (p * (1 - p))[:, None])
-            return
-        theta, best = mean, objective(mean)
-        for _ in range(self.iters):
+        theta, best = mean, None
+        for it in range(self.iters):
             p = _sigmoid(xs @ theta)  # [n]
             hess = base + xs.T @ (xs * (p * (1 - p))[:, None])  # [d, d]
             step = np.linalg.solve(hess, xs.T @ (ys - p) - old @ (theta - mean) - keep * (theta - self.theta0))  # [d]
+            if it == 0 and float(np.abs(xs @ step).max()) < 0.25:  # a small move of every prediction: the step is the mode
+                theta = theta + step
+                break
+            best = objective(theta) if best is None else best
             for _ in range(20):  # halve until the objective rises
                 val = objective(theta + step)
                 if val >= best:
@@ -250,9 +245,9 @@ def choose_lengths(cum: torch.Tensor, secs: torch.Tensor, fixed_gain: float) -> 
 
 @dataclass
 class DraftPlan:
-    draft: torch.Tensor  # [R] bool: the request drafts this step
+    draft: np.ndarray  # [R] bool: the request drafts this step
     block: int  # block length the drafter runs (0 = no drafter pass)
-    lens: torch.Tensor  # [R] planned verify lengths (1 for requests that do not draft)
+    lens: np.ndarray  # [R] int64 planned verify lengths (1 for requests that do not draft)
     rate: float  # expected tokens/s of the planned step
 
 
@@ -282,34 +277,23 @@ def plan_drafts(
     c, t = _np(cum), _np(secs)
     force = np.zeros(r, dtype=bool) if force is None else np.asarray(_np(force) > 0)
     extra = np.zeros(r) if extra_s is None else _np(extra_s)
-    plain = _Plan(np.zeros(r, dtype=bool), 0, np.ones(r, dtype=np.int64), fixed_gain / float(t[0]))
+    plain = DraftPlan(np.zeros(r, dtype=bool), 0, np.ones(r, dtype=np.int64), fixed_gain / float(t[0]))
     own = extra + draft_s[1] + 2 * draft_s[2]  # [R] the least a request's drafting costs
     total = c.sum(-1)  # [R]
     keep = (total >= plain.rate * own) | force  # [R] the best plan is at least plain decoding
     best = None
     while keep.any():
         part = _scan(c[keep], t, fixed_gain, draft_s, force[keep], extra[keep])
-        best = _Plan(np.zeros(r, dtype=bool), part.block, np.ones(r, dtype=np.int64), part.rate)
+        best = DraftPlan(np.zeros(r, dtype=bool), part.block, np.ones(r, dtype=np.int64), part.rate)
         best.draft[keep], best.lens[keep] = part.draft, part.lens
         tighter = keep & ((total >= part.rate * own) | force)  # [R] against the plan's own rate
         if (tighter == keep).all():
             break
         keep = tighter
-    out = plain if best is None or (best.rate < plain.rate and not force.any()) else best
-    return DraftPlan(torch.from_numpy(out.draft), out.block, torch.from_numpy(out.lens), out.rate)
+    return plain if best is None or (best.rate < plain.rate and not force.any()) else best
 
 
-@dataclass
-class _Plan:
-    """DraftPlan in NumPy, inside the choice."""
-
-    draft: np.ndarray
-    block: int
-    lens: np.ndarray
-    rate: float
-
-
-def _scan(cum, secs, fixed_gain, draft_s, force, extra_s) -> _Plan:
+def _scan(cum, secs, fixed_gain, draft_s, force, extra_s) -> DraftPlan:
     """plan_drafts' scan over every block length b and prefix of the drafts ranked by cum, in one pass
     of array ops (it runs every step): the drafts are ranked once (the forced requests' first drafts
     first, then by falling cum, ties to the earlier request and position), and a block of b drafts
@@ -341,12 +325,12 @@ def _scan(cum, secs, fixed_gain, draft_s, force, extra_s) -> _Plan:
     bi = int(best_b.argmax())  # the shortest block of the best rate
     plain = fixed_gain / float(secs[0])
     if not force.any() and float(best_b[bi]) <= plain:
-        return _Plan(np.zeros(r, dtype=bool), 0, np.ones(r, dtype=np.int64), plain)
+        return DraftPlan(np.zeros(r, dtype=bool), 0, np.ones(r, dtype=np.int64), plain)
     last = int(rate[bi].argmax())  # the shortest prefix of that rate
     taken = np.zeros(r * n_pos, dtype=bool)
     taken[order[: last + 1][take[bi, : last + 1]]] = True
     drafts = taken.reshape(r, n_pos).sum(-1)  # [R]
-    return _Plan(drafts > 0, int(blocks[bi]), (1 + drafts).astype(np.int64), float(rate[bi, last]))
+    return DraftPlan(drafts > 0, int(blocks[bi]), (1 + drafts).astype(np.int64), float(rate[bi, last]))
 
 
 # ----------------------------------------------------------------------------- the policy
@@ -492,7 +476,7 @@ class CostPolicy(VerifyPolicy):
             self._chained = []
             return [False] * len(ids)
         xp = prior_features(self.running.rate(ids), self.k_blk - 1).numpy()  # [R, K-1, 3] (NumPy from here: every step)
-        cum = np.cumprod(_sigmoid(xp @ self.prior.theta), -1)  # [R, K-1]
+        cum = np.cumprod(self.prior.predict(xp), -1)  # [R, K-1]
         secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size).numpy())  # [R*(K-1) + 1]
         pending = np.array([float(s.context_tokens) for s in states])  # [R] tokens to extend
         # extending a request's drafter cache is paid once for all its later drafted steps (a new request's whole
@@ -628,7 +612,7 @@ class CostPolicy(VerifyPolicy):
             return [1] * len(states), [float("nan")] * len(states)
         conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]) if logits is None else logits)  # [R, J]
         x = block_features(conf, self.running.rate(ids)).numpy()  # [R, J, 4] (NumPy from here: every step)
-        cond = _sigmoid(x @ self.block.theta)  # [R, J]
+        cond = self.block.predict(x)  # [R, J]
         cum = np.cumprod(cond, -1)
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
         spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
