@@ -168,11 +168,11 @@ class StepCost:
     def verify(self, r: int, n: int) -> float:
         return max(self.target(*self._x(r, n)), 1e-6)
 
-    def verify_curve(self, r: int, n: int, extra: int) -> torch.Tensor:
+    def verify_curve(self, r: int, n: int, extra: int) -> np.ndarray:
         """[extra + 1] seconds (float64) of verifying N = n .. n + extra tokens over r requests (non-decreasing)."""
         g = self.g(np.arange(n, n + extra + 1))  # [extra + 1]
         a0, a1 = self.target.theta[0], self.target.theta[1]
-        return torch.from_numpy(np.maximum(a0 + a1 * r + self.per_token * g, 1e-6))
+        return np.maximum(a0 + a1 * r + self.per_token * g, 1e-6)
 
     def draft(self, rd: int, ld: int, cx: int = 0) -> float:
         return max(self.drafter(1.0, rd, rd * ld, cx), 0.0) if rd else 0.0

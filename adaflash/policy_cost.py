@@ -34,6 +34,7 @@ Greedy output is the target's whatever the lengths: the policy only decides how 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,47 +51,53 @@ PAYOFF_FLOOR = 0.125  # ... times the share of recent probes that paid, never be
 PAYOFF_FORGET = 0.9  # that share: over about the last 10 probes
 LABEL_BATCH = 32  # labels the acceptance models gather before a refit
 PRIOR_NAMES = ("bias", "log_pos", "running")  # features before drafting
-BLOCK_NAMES = ("bias", "confidence", "log_pos", "running")  # after drafting
-
-
-def logit(p: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(_logit(p))
+BLOCK_NAMES = PRIOR_NAMES + ("confidence",)  # after drafting
 
 
 def _logit(p) -> np.ndarray:
     p = np.clip(_np(p), EPS, 1 - EPS)
-    return np.log(p) - np.log1p(-p)
+    return np.log(p / (1 - p))
 
 
-def confidence(logits: torch.Tensor) -> torch.Tensor:
-    """Draft logits [R, J, Vd] -> top-1 probability at each drafted position [R, J]."""
-    return logits.float().softmax(-1).amax(-1)
+def confidence(logits: torch.Tensor) -> np.ndarray:
+    """Draft logits [R, J, Vd] -> top-1 probability at each drafted position [R, J] (float64)."""
+    return torch.softmax(logits, -1, dtype=torch.float32).amax(-1).double().numpy()  # one fused kernel, no float copy
 
 
-def prior_features(running: torch.Tensor, n_pos: int) -> torch.Tensor:
-    """Running acceptance [R] -> features [R, J, 3] of positions 1..J before drafting (PRIOR_NAMES)."""
-    r = running.shape[0]
-    x = np.empty((r, n_pos, 3))
+@functools.lru_cache(maxsize=64)
+def _log_pos(n_pos: int) -> np.ndarray:
+    """[J] log of positions 1..J (read-only: shared by every step)."""
+    out = np.log(np.arange(1, n_pos + 1, dtype=np.float64))
+    out.flags.writeable = False
+    return out
+
+
+def prior_features(running, n_pos: int, d: int = 3) -> np.ndarray:
+    """Running acceptance [R] -> features [R, J, d] of positions 1..J before drafting (PRIOR_NAMES; d > 3:
+    further columns left to fill)."""
+    run = _logit(running)  # [R]
+    x = np.empty((run.shape[0], n_pos, d))
     x[..., 0] = 1.0
-    x[..., 1] = np.log(np.arange(1, n_pos + 1))[None]
-    x[..., 2] = _logit(running)[:, None]
-    return torch.from_numpy(x)
+    x[..., 1] = _log_pos(n_pos)
+    x[..., 2] = run[:, None]
+    return x
 
 
-def block_features(conf: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
-    """Drafter confidence [R, J], running acceptance [R] -> features [R, J, 4] (BLOCK_NAMES)."""
-    r, n_pos = conf.shape
-    x = np.empty((r, n_pos, 4))
-    x[..., [0, 2, 3]] = prior_features(running, n_pos).numpy()
-    x[..., 1] = _logit(conf)
-    return torch.from_numpy(x)
+def block_features(conf, running) -> np.ndarray:
+    """Drafter confidence [R, J], running acceptance [R] -> features [R, J, 4] (BLOCK_NAMES); the prior
+    features are its first three columns."""
+    conf = _np(conf)
+    x = prior_features(running, conf.shape[1], 4)
+    x[..., 3] = _logit(conf)
+    return x
 
 
-def round_labels(accepted: torch.Tensor, drafts: torch.Tensor, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accepted drafts [R] of drafts verified [R] -> (label [R, J] 1 = accepted, seen [R, J]): positions up
-    to the first rejection are observed, later ones are not (censored)."""
-    j = torch.arange(n_pos)[None]  # [1, J]: position j + 1
-    return (j < accepted[:, None]).double(), j < torch.minimum(accepted + 1, drafts)[:, None]
+def round_labels(accepted, drafts, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """Accepted drafts [R] of drafts verified [R] -> (label [R, J] float64, 1 = accepted; seen [R, J] bool):
+    positions up to the first rejection are observed, later ones are not (censored)."""
+    accepted, drafts = np.asarray(accepted), np.asarray(drafts)
+    j = np.arange(n_pos)[None]  # [1, J]: position j + 1
+    return (j < accepted[:, None]).astype(np.float64), j < np.minimum(accepted + 1, drafts)[:, None]
 
 
 class AcceptanceModel:
@@ -109,12 +116,11 @@ class AcceptanceModel:
         self.batch = batch  # labels gathered before a refit (`update`)
         self._held: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def predict(self, x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-        """Features [..., d] -> P(accepted) [...] (float64), a tensor for a tensor, an array for an array."""
-        p = _sigmoid(_np(x) @ self.theta)
-        return torch.from_numpy(p) if isinstance(x, torch.Tensor) else p
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """Features [..., d] -> P(accepted) [...] (float64)."""
+        return _sigmoid(_np(x) @ self.theta)
 
-    def update(self, x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) -> None:
+    def update(self, x: np.ndarray, y: np.ndarray) -> None:
         """Observed features [n, d] with labels [n] in [0, 1] (a probability where the label is not seen).
 
         Newton steps to the mode of log-likelihood + the decayed Gaussian (theta - its mean, precision
@@ -184,18 +190,18 @@ class Running:
     acc: dict[str, float] = field(default_factory=dict)
     seen: dict[str, float] = field(default_factory=dict)
 
-    def rate(self, ids: list[str]) -> torch.Tensor:
-        """[R] running conditional acceptance of these requests."""
-        g = self.g_acc / self.g_seen
-        return torch.tensor([(self.acc.get(i, 0.0) + self.strength * g) / (self.seen.get(i, 0.0) + self.strength) for i in ids])
+    def rate(self, ids: list[str]) -> np.ndarray:
+        """[R] running conditional acceptance of these requests (float64)."""
+        g = self.strength * self.g_acc / self.g_seen
+        return np.array([(self.acc.get(i, 0.0) + g) / (self.seen.get(i, 0.0) + self.strength) for i in ids])
 
-    def update(self, ids: list[str], acc: torch.Tensor, seen: torch.Tensor, batch_decay: float = 0.97) -> None:
+    def update(self, ids: list[str], acc: list[float], seen: list[float], batch_decay: float = 0.97) -> None:
         """Accepted [R] and observed [R] positions of one round per request."""
-        for i, a, s in zip(ids, acc.tolist(), seen.tolist()):
+        for i, a, s in zip(ids, acc, seen):
             self.acc[i] = self.decay * self.acc.get(i, 0.0) + a
             self.seen[i] = self.decay * self.seen.get(i, 0.0) + s
-        self.g_acc = batch_decay * self.g_acc + float(acc.sum())
-        self.g_seen = batch_decay * self.g_seen + float(seen.sum())
+        self.g_acc = batch_decay * self.g_acc + float(sum(acc))
+        self.g_seen = batch_decay * self.g_seen + float(sum(seen))
 
     def forget(self, ids: list[str]) -> None:
         for i in ids:
@@ -224,7 +230,7 @@ def _best_prefix(values: np.ndarray, secs: np.ndarray, fixed_gain: float, start:
     return n, float(rate[n])
 
 
-def choose_lengths(cum: torch.Tensor, secs: torch.Tensor, fixed_gain: float) -> tuple[torch.Tensor, float]:
+def choose_lengths(cum: np.ndarray, secs: np.ndarray, fixed_gain: float) -> tuple[np.ndarray, float]:
     """Verify lengths that maximise (fixed_gain + sum_i sum_{j < L_i - 1} cum_ij) / secs[sum_i (L_i - 1)].
 
     cum [R, J]: P(the first j drafts all accepted), non-increasing in j; secs [R * J + 1]: the step's
@@ -240,7 +246,7 @@ def choose_lengths(cum: torch.Tensor, secs: torch.Tensor, fixed_gain: float) -> 
     n, rate = _best_prefix(flat[order], _np(secs), fixed_gain)
     taken = np.zeros(r * j, dtype=bool)
     taken[order[:n]] = True
-    return torch.from_numpy(1 + taken.reshape(r, j).sum(-1)), rate
+    return 1 + taken.reshape(r, j).sum(-1), rate
 
 
 @dataclass
@@ -252,12 +258,12 @@ class DraftPlan:
 
 
 def plan_drafts(
-    cum: torch.Tensor,
-    secs: torch.Tensor,
+    cum: np.ndarray,
+    secs: np.ndarray,
     fixed_gain: float,
     draft_s: tuple[float, float, float],
-    force: torch.Tensor | None = None,
-    extra_s: torch.Tensor | None = None,
+    force: np.ndarray | None = None,
+    extra_s: np.ndarray | None = None,
 ) -> DraftPlan:
     """Which requests draft and how long a block, before drafting (lengths <= the block).
 
@@ -390,8 +396,7 @@ class Overrun:
 class _Pending:
     """A drafted request's features this step, labelled once it is verified."""
 
-    x: np.ndarray  # [J, 4] block features
-    xp: np.ndarray  # [J, 3] prior features
+    x: np.ndarray  # [J, 4] block features (the prior features first)
     p: np.ndarray  # [J] the block model's predictions
 
 
@@ -406,15 +411,14 @@ def _labelled(pending: dict, states, accepted, running: Running, n_pos) -> list[
         if entry is None:
             continue
         drafts = len(s.rounds[-1].draft) if s.rounds else 0
-        n, last = n_pos(entry), min(a + 1, drafts)  # round_labels for one round, in NumPy (per request and step)
-        j = np.arange(n)
-        rows.append((entry, (j < a).astype(np.float64), j < last))  # label [J], seen [J]
+        y, seen = round_labels([a], [drafts], n_pos(entry))  # [1, J]
+        rows.append((entry, y[0], seen[0]))
         if drafts:
             ids.append(rid)
-            acc_n.append(float(min(a, last, n)))
-            seen_n.append(float(min(last, n)))
+            acc_n.append(float(y[seen].sum()))
+            seen_n.append(float(seen.sum()))
     if ids:
-        running.update(ids, torch.tensor(acc_n), torch.tensor(seen_n))
+        running.update(ids, acc_n, seen_n)
     return rows
 
 
@@ -426,12 +430,12 @@ class CostPolicy(VerifyPolicy):
     def __init__(self, cost: StepCost, block_size: int, slack: int = 1, forget: float = 0.995, prior: float = 1.0):
         self.cost, self.k_blk, self.slack = cost, block_size, slack
         # refitted once LABEL_BATCH labels are in (a few rounds at concurrency 1, every step at 8 or more)
-        self.block = AcceptanceModel([0.0, 1.0, 0.0, 0.0], prior, forget, batch=LABEL_BATCH)  # starts as P = the drafter's confidence
+        self.block = AcceptanceModel([0.0, 0.0, 0.0, 1.0], prior, forget, batch=LABEL_BATCH)  # starts as P = the drafter's confidence
         self.prior = AcceptanceModel([0.0, 0.0, 1.0], prior, forget, batch=LABEL_BATCH)  # starts as P = the running acceptance
         self.running = Running()
         self.chain = AcceptanceModel([0.0, 0.0, 1.0], prior, forget, batch=LABEL_BATCH)  # lookup chains: position, running chain acceptance
         self.running_chain = Running()
-        self.chain_pending: dict[str, torch.Tensor] = {}  # request -> [J, 3] features of its verified chain
+        self.chain_pending: dict[str, np.ndarray] = {}  # request -> [J, 3] features of its verified chain
         self.chain_refused: dict[str, int] = {}  # request -> chains refused since its last verified one
         self._chained: list[str] = []  # requests with a lookup chain this step (alive, though not drafting)
         self.pending: dict[str, _Pending] = {}
@@ -440,6 +444,7 @@ class CostPolicy(VerifyPolicy):
         self.steps = 0  # `select` calls: probes fall on every PROBE_SYNC-th
         self.forced: set[str] = set()
         self._batch: tuple[int, int] | None = None  # this step's (requests, tokens) with every drafting request at its anchor
+        self._secs: np.ndarray | None = None  # this step's priced verify curve, from `select`
         self._block = block_size
         self.overrun = Overrun()
         self.explore = 0.0  # seconds the next probes may cost (EXPLORE of every step's, saved up)
@@ -475,9 +480,10 @@ class CostPolicy(VerifyPolicy):
                 self._after_plan(i, False)
             self._chained = []
             return [False] * len(ids)
-        xp = prior_features(self.running.rate(ids), self.k_blk - 1).numpy()  # [R, K-1, 3] (NumPy from here: every step)
+        xp = prior_features(self.running.rate(ids), self.k_blk - 1)  # [R, K-1, 3]
         cum = np.cumprod(self.prior.predict(xp), -1)  # [R, K-1]
-        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size).numpy())  # [R*(K-1) + 1]
+        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size))  # [R*(K-1) + 1]
+        self._secs = secs  # `lengths` reads its prefix: the models do not change before the step is timed
         pending = np.array([float(s.context_tokens) for s in states])  # [R] tokens to extend
         # extending a request's drafter cache is paid once for all its later drafted steps (a new request's whole
         # prompt): charged whole to one step it made a request that had not drafted for a while (or at all)
@@ -515,7 +521,7 @@ class CostPolicy(VerifyPolicy):
                 self._probed.discard(i)
         self._probed |= {i for i, f in zip(ids, force) if f}
 
-    def _priced(self, secs: torch.Tensor) -> torch.Tensor:
+    def _priced(self, secs: np.ndarray) -> np.ndarray:
         """Verify seconds [M] -> the step's seconds as learnt from whole steps: the work outside the
         passes added (the drafting pass, priced apart, carries the overrun factor k)."""
         return secs + self.overrun.o
@@ -582,11 +588,11 @@ class CostPolicy(VerifyPolicy):
         self._chained = ids
         n_pos = max(chains)
         xp = prior_features(self.running_chain.rate(ids), n_pos)  # [R, J, 3]
-        cum = self.chain.predict(xp).cumprod(-1) * (torch.arange(n_pos)[None] < torch.tensor(chains)[:, None])  # [R, J]
+        cum = self.chain.predict(xp).cumprod(-1) * (np.arange(n_pos)[None] < np.array(chains)[:, None])  # [R, J]
         n_req = len(states) + others
-        lens, _ = choose_lengths(cum, self.cost.verify_curve(n_req, n_req, cum.numel()), n_req)
+        lens, _ = choose_lengths(cum, self.cost.verify_curve(n_req, n_req, cum.size), n_req)
         out = []
-        for i, n, x, c in zip(ids, (lens - 1).tolist(), xp, chains):
+        for i, n, x, c in zip(ids, (lens - 1).tolist(), xp, chains):  # x [J, 3]
             refused = self.chain_refused.get(i, 0)
             if not n and refused >= 4 and refused & (refused - 1) == 0:  # a probe at 4, 8, 16, ..
                 n = 1
@@ -600,7 +606,7 @@ class CostPolicy(VerifyPolicy):
         """Label each verified chain's positions (censored after the first rejection) and refit the chain model."""
         rows = _labelled(self.chain_pending, states, accepted, self.running_chain, len)  # entries: chain features [J, 3]
         if rows:
-            self.chain.update(np.concatenate([_np(x)[seen] for x, _, seen in rows]), np.concatenate([y[seen] for _, y, seen in rows]))
+            self.chain.update(np.concatenate([x[seen] for x, _, seen in rows]), np.concatenate([y[seen] for _, y, seen in rows]))
 
     # -- after drafting
     def lengths(self, states, hidden, k_blk, logits=None):
@@ -611,18 +617,19 @@ class CostPolicy(VerifyPolicy):
         if n_pos < 1:
             return [1] * len(states), [float("nan")] * len(states)
         conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]) if logits is None else logits)  # [R, J]
-        x = block_features(conf, self.running.rate(ids)).numpy()  # [R, J, 4] (NumPy from here: every step)
+        x = block_features(conf, self.running.rate(ids))  # [R, J, 4]
         cond = self.block.predict(x)  # [R, J]
         cum = np.cumprod(cond, -1)
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
         spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
-        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size).numpy()) + spent  # [R*J + 1]
-        lens = choose_lengths(cum, secs, n_req)[0].numpy()  # [R]
-        forced = np.array([i in self.forced for i in ids], dtype=bool)
-        lens = np.where(forced, np.maximum(lens, 2), lens)
-        xp = x[..., [0, 2, 3]]  # [R, J, 3] the prior features (bias, log position, running) within the block's
+        secs = self._secs  # [>= R*J + 1]
+        if secs is None or secs.size <= cum.size:
+            secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size))
+        lens = choose_lengths(cum, secs[: cum.size + 1] + spent, n_req)[0]  # [R]
+        if self.forced:
+            lens = np.where([i in self.forced for i in ids], np.maximum(lens, 2), lens)
         for j, i in enumerate(ids):
-            self.pending[i] = _Pending(x[j], xp[j], cond[j])
+            self.pending[i] = _Pending(x[j], cond[j])
         return lens.tolist(), [float("nan")] * len(states)
 
     def observe(self, states, accepted):
@@ -632,9 +639,11 @@ class CostPolicy(VerifyPolicy):
         being drafted, and no outcome decides which positions the prior model learns from."""
         rows = _labelled(self.pending, states, accepted, self.running, lambda p: len(p.p))
         if rows:
-            self.block.update(np.concatenate([_np(p.x)[seen] for p, _, seen in rows]), np.concatenate([y[seen] for _, y, seen in rows]))
-            soft = [np.where(seen, y, _np(p.p)) for p, y, seen in rows]  # the block model's P where unseen
-            self.prior.update(np.concatenate([_np(p.xp) for p, _, _ in rows]), np.concatenate(soft))
+            x = np.concatenate([p.x for p, _, _ in rows])  # [n, 4]
+            seen = np.concatenate([s for _, _, s in rows])  # [n]
+            y = np.concatenate([y for _, y, _ in rows])  # [n]
+            self.block.update(x[seen], y[seen])
+            self.prior.update(x[:, :3], np.where(seen, y, np.concatenate([p.p for p, _, _ in rows])))  # the block model's P where unseen
 
     def observe_timing(self, verify, draft):
         """Refit the step-cost model on the step just run, after noting what it predicted drafting adds
@@ -654,4 +663,4 @@ class CostPolicy(VerifyPolicy):
             plain, excess = self._excess
             over = min(max(seconds - plain, -0.5 * plain), 0.5 * plain + self.overrun.k_max * excess)
             self.overrun.update(excess, over)
-        self._excess, self._batch = None, None
+        self._excess, self._batch, self._secs = None, None, None

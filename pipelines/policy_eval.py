@@ -23,13 +23,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from adaflash.policy_cost import AcceptanceModel, Running, block_features, confidence, prior_features, round_labels
 
 MODELS = {  # name -> initial theta, as CostPolicy starts them
     "prior": [0.0, 0.0, 1.0],
-    "confidence": [0.0, 1.0, 0.0, 0.0],
+    "confidence": [0.0, 0.0, 0.0, 1.0],
 }
 
 
@@ -40,7 +41,7 @@ class Block:
     request: int  # index of its request (serving order of submission)
     domain: str
     t_ns: int
-    conf: torch.Tensor  # [J] drafter top-1 probability per drafted position
+    conf: np.ndarray  # [J] drafter top-1 probability per drafted position
     head: float  # length-head prediction (nan without a head)
     accepted: int  # of J drafts
 
@@ -59,7 +60,7 @@ def blocks_from_states(states, domains: list[str], drafter, head=None) -> list[B
     return sorted(out, key=lambda b: (b.t_ns, b.request))
 
 
-def features(name: str, conf: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
+def features(name: str, conf: np.ndarray, run: np.ndarray) -> np.ndarray:
     """[R, J] confidences, [R] running acceptance -> [R, J, d] features of model `name`."""
     return prior_features(run, conf.shape[1]) if name == "prior" else block_features(conf, run)
 
@@ -75,12 +76,12 @@ def replay(blocks: list[Block], heldout: set[int]) -> dict[str, dict]:
             continue
         conf, key = b.conf[None], str(b.request)
         run = running.rate([key])
-        y, seen = round_labels(torch.tensor([b.accepted]), torch.tensor([len(b.conf)]), len(b.conf))  # [1, J]
+        y, seen = round_labels([b.accepted], [len(b.conf)], len(b.conf))  # [1, J]
         x = features("confidence", conf, run)  # [1, J, 4]
         guess = fitted["confidence"].predict(x)  # [1, J]: what the prior model learns where no label is seen
         fitted["confidence"].update(x[seen], y[seen])
-        fitted["prior"].update(features("prior", conf, run)[0], torch.where(seen, y, guess)[0])
-        running.update([key], y[seen].sum()[None], seen.sum()[None].double())
+        fitted["prior"].update(features("prior", conf, run)[0], np.where(seen, y, guess)[0])
+        running.update([key], [float(y[seen].sum())], [float(seen.sum())])
     out = {name: {"p": [], "accepted": [], "domain": []} for name in MODELS}
     for b in blocks:  # held-out: the running acceptance still follows each request's own rounds
         if b.request not in heldout:
@@ -91,8 +92,8 @@ def replay(blocks: list[Block], heldout: set[int]) -> dict[str, dict]:
             out[name]["p"].append(fitted[name].predict(features(name, b.conf[None], run))[0])
             out[name]["accepted"].append(b.accepted)
             out[name]["domain"].append(b.domain)
-        y, seen = round_labels(torch.tensor([b.accepted]), torch.tensor([len(b.conf)]), len(b.conf))
-        running.update([key], y[seen].sum()[None], seen.sum()[None].double())
+        y, seen = round_labels([b.accepted], [len(b.conf)], len(b.conf))
+        running.update([key], [float(y[seen].sum())], [float(seen.sum())])
     for name in MODELS:
         out[name]["theta"] = fitted[name].theta.tolist()
     return out
@@ -117,8 +118,8 @@ def r2(pred: torch.Tensor, y: torch.Tensor) -> float:
 def reliability(p: torch.Tensor, accepted: torch.Tensor, bins: int = 10) -> list[dict]:
     """Conditional predictions p [N, J] (position j given the earlier ones accepted) against their
     labels over the observed positions, in `bins` equal-width bins of the prediction."""
-    y, seen = round_labels(accepted, torch.full_like(accepted, p.shape[1]), p.shape[1])
-    pp, yy = p[seen], y[seen]
+    y, seen = round_labels(accepted.numpy(), np.full(len(accepted), p.shape[1]), p.shape[1])
+    pp, yy = p[torch.from_numpy(seen)], torch.from_numpy(y[seen])
     idx = (pp * bins).long().clamp(max=bins - 1)
     return [
         {"bin": b, "n": int((idx == b).sum()), "pred": float(pp[idx == b].mean()), "observed": float(yy[idx == b].mean())}
@@ -148,7 +149,7 @@ def evaluate(blocks: list[Block], k_blk: int) -> dict:
     preds = replay(blocks, heldout)
     report = {"fit_blocks": sum(b.request not in heldout for b in blocks), "models": {}}
     for name, r in preds.items():
-        p, acc, dom = torch.stack(r["p"]), torch.tensor(r["accepted"]), r["domain"]
+        p, acc, dom = torch.from_numpy(np.stack(r["p"])), torch.tensor(r["accepted"]), r["domain"]
         entry = {"theta": r["theta"], "all": scores(p, acc), "domains": {}}
         for d in sorted(set(dom)):
             m = torch.tensor([x == d for x in dom])

@@ -18,7 +18,6 @@ from adaflash.policy_cost import (
     CostPolicy,
     block_features,
     choose_lengths,
-    logit,
     plan_drafts,
     prior_features,
     round_labels,
@@ -154,23 +153,23 @@ def test_features_shapes_and_prior_starts_at_confidence():
     conf = torch.tensor([[0.9, 0.5, 0.2]])
     x = block_features(conf, torch.tensor([0.4]))  # [1, 3, 4]
     assert x.shape == (1, 3, 4) and prior_features(torch.tensor([0.4, 0.5]), 3).shape == (2, 3, 3)
-    model = AcceptanceModel([0.0, 1.0, 0.0, 0.0])
-    torch.testing.assert_close(model.predict(x), conf.double(), atol=1e-4, rtol=0)
+    model = AcceptanceModel([0.0, 0.0, 0.0, 1.0])
+    torch.testing.assert_close(torch.from_numpy(model.predict(x)), conf.double(), atol=1e-4, rtol=0)
 
 
 def test_acceptance_model_learns_a_new_domain_within_a_few_batches():
     """The drafter's confidence is overconfident by a domain-specific shift: the model recovers it."""
     g = torch.Generator().manual_seed(0)
-    model = AcceptanceModel([0.0, 1.0, 0.0, 0.0])
+    model = AcceptanceModel([0.0, 0.0, 0.0, 1.0])
     for shift, batches in ((-1.0, 40), (-3.0, 8)):  # a first domain, then a harder one
         for _ in range(batches):
             conf = torch.rand(32, 4, generator=g) * 0.98 + 0.01
             x = block_features(conf, torch.full((32,), 0.5)).reshape(-1, 4)
-            p = torch.sigmoid(logit(conf.reshape(-1)) + shift)
+            p = torch.sigmoid(torch.logit(conf.reshape(-1)) + shift)
             model.update(x, (torch.rand(len(p), generator=g) < p).double())
         conf = torch.full((1, 1), 0.8)
-        want = float(torch.sigmoid(logit(conf) + shift))
-        assert float(model.predict(block_features(conf, torch.tensor([0.5])))) == pytest.approx(want, abs=0.08), shift
+        want = float(torch.sigmoid(torch.logit(conf) + shift))
+        assert float(model.predict(block_features(conf, torch.tensor([0.5])))[0, 0]) == pytest.approx(want, abs=0.08), shift
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -292,7 +291,7 @@ def test_below_the_knee_a_single_request_verifies_its_likely_drafts():
     cum = torch.full((1, 15), 0.6, dtype=torch.float64).cumprod(-1)
     lens, _ = choose_lengths(cum, knee.verify_curve(1, 1, 15), 1)
     lens_linear, _ = choose_lengths(cum, linear.verify_curve(1, 1, 15), 1)
-    assert int(lens) >= 8 and int(lens_linear) < int(lens)
+    assert int(lens[0]) >= 8 and int(lens_linear[0]) < int(lens[0])
 
 
 # ----------------------------------------------------------------------------- in the engine
@@ -634,7 +633,7 @@ def test_the_overrun_factor_prices_the_drafting_pass_not_the_verification():
         policy.observe_step(verify_s + 2 * draft_s)  # as much again around the drafting pass
     assert policy.overrun.o == pytest.approx(0.0, abs=1e-6) and policy.overrun.k == pytest.approx(2.0, rel=0.1)
     secs = policy.cost.verify_curve(32, 32, 15)
-    assert torch.allclose(policy._priced(secs), secs)
+    assert np.allclose(policy._priced(secs), secs)
 
 
 def test_one_round_does_not_throw_the_prior_model_past_its_labels():
@@ -651,7 +650,7 @@ def test_one_round_does_not_throw_the_prior_model_past_its_labels():
     model.update(x, y)
     p1 = float(model.predict(prior_features(run, 1))[0, 0])
     assert 0.5 < p1 < 0.97
-    xs, t = x.numpy(), model.theta
+    xs, t = x, model.theta
     p = 1 / (1 + np.exp(-(xs @ t)))
     decay = model.forget**15
     grad = xs.T @ (y.numpy() - p) - decay * 1.0 * (t - before) - (1 - decay) * 1.0 * (t - model.theta0)
