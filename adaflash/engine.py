@@ -131,7 +131,8 @@ class _Plan:
     """One running request's round within a step, filled in phase by phase (_plan, _draft, _propose, _verify)."""
 
     st: RequestState
-    kind: str  # "tree" (greedy token tree), "lookup" (verify `chain` instead of drafting), "draft" (a drafter chain), "plain"
+    kind: str  # "tree" (greedy token tree), "lookup" (verify `chain` instead of drafting), "draft" (a drafter chain), "plain",
+    # "prefill" (admitted this step: its prompt rides in the step's forward, which gives its first token)
     chain: list[int]  # prompt-lookup proposal ([] = none); a tree grafts it in
     budget: int  # drafts that could still be committed: max_new_tokens - len(out) - 1
     verify_len: int = 1  # tokens verified incl. the anchor
@@ -420,19 +421,9 @@ class Engine:
                 torch.Generator(device=dev).manual_seed(req.seed),
                 t_start=time.perf_counter(),
             )
-            st.ema_verify, st.admitted = self.ema_verify_all, True
+            st.ema_verify = self.ema_verify_all
             new.append(st)
-        if not new:
-            return []
-        logits, feats = self.target.forward_packed(
-            [torch.tensor(s.req.prompt_ids) for s in new], [s.tcache for s in new], logits_last_only=True
-        )
-        for st, lg, ft in zip(new, logits, feats):
-            if self.policy.drafts:
-                st.add_context(ft)
-            st.t_first = time.perf_counter()
-            self._commit(st, [int(pick(lg[-1], st.req.temperature, st.gen))])
-        return new
+        return new  # prefilled in this step's forward, beside the running requests' verify tokens (_speculate)
 
     def _commit(self, st: RequestState, tokens: list[int]) -> None:
         """Append tokens, applying EOS / max_new_tokens / custom stop; mark finished."""
@@ -449,6 +440,13 @@ class Engine:
             if keep is not None:
                 del st.out[keep:]
                 st.finish_reason = "stop"
+
+    def _first_token(self, st: RequestState, logits: torch.Tensor, feats: torch.Tensor) -> None:
+        """A request prefilled this step: logits [1, V] of its prompt's last token, feats [prompt, n*H]."""
+        if self.policy.drafts:
+            st.add_context(feats)
+        st.t_first, st.admitted = time.perf_counter(), True
+        self._commit(st, [int(pick(logits[-1], st.req.temperature, st.gen))])
 
     def step(self) -> list[RequestState]:
         """One engine step; returns the requests that finished in it, their KV caches released (the engine
@@ -470,6 +468,8 @@ class Engine:
     def _plan(self, st: RequestState) -> _Plan:
         """How this request's round goes: a greedy request of a tree engine verifies a token tree (with
         its lookup chain grafted in); otherwise a lookup chain replaces drafting, or the drafter drafts."""
+        if not st.admitted:
+            return _Plan(st, "prefill", [], 0, verify_len=len(st.req.prompt_ids))
         budget = st.req.max_new_tokens - len(st.out) - 1  # drafts that could still be committed
         tree = self.tree > 0 and st.req.temperature <= 0
         chain = []
@@ -491,23 +491,34 @@ class Engine:
         plans = [self._plan(s) for s in active]
         self._select(plans)
         drafted = self._draft(plans)
+        fresh = [p for p in plans if p.kind == "prefill"]
+        plans = [p for p in plans if p.kind != "prefill"]  # the rounds
         for p in plans:  # chains never verify past max_new_tokens (a tree caps its depth instead)
             if p.kind != "tree":
                 p.verify_len = max(1, min(p.verify_len, p.budget + 1))
-        for p, n in zip(plans, self._fit_budget([p.verify_len for p in plans])):
+        prompts = sum(p.verify_len for p in fresh)  # admission left room for them in the token budget
+        for p, n in zip(plans, self._fit_budget([p.verify_len for p in plans], prompts)):
             p.verify_len = n
         self._propose(plans)
         dev = self.target.lm_head.weight.device
-        inputs = [torch.cat([torch.tensor(p.st.out[-1:], device=dev), p.draft]) for p in plans]  # [verify_len] each
+        inputs = [torch.tensor(p.st.req.prompt_ids, device=dev) for p in fresh]  # [prompt] each
+        inputs += [torch.cat([torch.tensor(p.st.out[-1:], device=dev), p.draft]) for p in plans]  # [verify_len] each
         t0 = self._clock()
-        logits, feats = self.target.forward_packed(inputs, [p.st.tcache for p in plans], trees=[p.mask for p in plans])
+        logits, feats = self.target.forward_packed(
+            inputs, [p.st.tcache for p in fresh + plans], logits_last_only=[True] * len(fresh) + [False] * len(plans),
+            trees=[None] * len(fresh) + [p.mask for p in plans],
+        )  # fmt: skip
         tokens = sum(p.verify_len for p in plans)
         if self.policy.timed:
-            self.policy.observe_timing((len(plans), tokens, self._clock() - t0), drafted)
+            self.policy.observe_timing((len(fresh) + len(plans), prompts + tokens, self._clock() - t0), drafted)
+        for p, lg, ft in zip(fresh, logits, feats):
+            self._first_token(p.st, lg, ft)
+        logits, feats = logits[len(fresh) :], feats[len(fresh) :]
         self.stats["verify_tokens"] += tokens
         self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], tokens)
         new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
-        self.ema_verify_all += self.ema_alpha * (tokens / len(plans) - self.ema_verify_all)
+        if plans:
+            self.ema_verify_all += self.ema_alpha * (tokens / len(plans) - self.ema_verify_all)
         if self.policy.drafts:  # the drafter reads them when this request drafts next (_draft)
             for p, ft in zip(plans, new_feats):
                 p.st.add_context(ft)
@@ -533,7 +544,12 @@ class Engine:
         if not cands:
             return
         others = [p for p in plans if p.kind != "draft"]
-        sizes = {"lookup": lambda p: 1 + len(p.chain), "tree": lambda p: 1 + self.tree + len(p.chain), "plain": lambda p: 1}
+        sizes = {
+            "lookup": lambda p: 1 + len(p.chain),
+            "tree": lambda p: 1 + self.tree + len(p.chain),
+            "plain": lambda p: 1,
+            "prefill": lambda p: p.verify_len,
+        }
         for p, keep in zip(cands, self.policy.select([p.st for p in cands], (len(others), sum(sizes[p.kind](p) for p in others)))):
             if not keep:
                 p.kind = "plain"
@@ -685,10 +701,11 @@ class Engine:
             groups.setdefault(id(slot), (slot, []))[1].append(i)
         return list(groups.values())
 
-    def _fit_budget(self, lens: list[int]) -> list[int]:
-        """Trim the longest verify lengths until the step fits the token budget (each keeps >= 1)."""
+    def _fit_budget(self, lens: list[int], fixed: int = 0) -> list[int]:
+        """Trim the longest verify lengths until they and `fixed` tokens (prompts) fit the step's token
+        budget (each keeps >= 1)."""
         lens = list(lens)
-        while sum(lens) > self.token_budget and max(lens) > 1:
+        while sum(lens) + fixed > self.token_budget and lens and max(lens) > 1:
             i = lens.index(max(lens))
             lens[i] -= 1
         return lens

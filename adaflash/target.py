@@ -23,6 +23,23 @@ from adaflash.kvcache import KVCache, KVPool, Ragged, one_block, pool_of
 from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack, prompt_rows, weights_epoch
 
 
+def _segments(lens: list[int], prompt: list[bool], chunk: int = 32) -> list[int]:
+    """Row segments of a packed call for `prompt_rows`: each prompt's rows alone, the other requests'
+    rows (a few verify tokens each) together in runs of up to `chunk`."""
+    out, run = [], 0
+    for n, is_prompt in zip(lens, prompt):
+        if is_prompt:
+            out += [run] if run else []
+            out.append(n)
+            run = 0
+        else:
+            if run and run + n > chunk:
+                out.append(run)
+                run = 0
+            run += n
+    return out + ([run] if run else [])
+
+
 @dataclass
 class TargetConfig:
     vocab_size: int
@@ -126,7 +143,7 @@ class TargetModel(nn.Module):
         input_ids: torch.Tensor,  # [B, T]
         cache: KVCache,
         valid: torch.Tensor | None = None,  # [B, T] bool, False for left padding
-        logits_last_only: bool = False,
+        logits_last_only: bool | list[bool] = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `input_ids` to the cache; return (logits [B, T or 1, V] fp32, features [B, T, n*H])."""
         b, t = input_ids.shape
@@ -169,7 +186,7 @@ class TargetModel(nn.Module):
         self,
         tokens: list[torch.Tensor],
         caches: list[KVCache],
-        logits_last_only: bool = False,
+        logits_last_only: bool | list[bool] = False,
         trees: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Ragged batch: request i appends tokens[i] ([L_i], any L_i) to its own batch-1 cache.
@@ -180,10 +197,13 @@ class TargetModel(nn.Module):
         `trees[i]` ([L_i, L_i] ancestor mask, spec.tree_mask) when request i's new tokens form a token
         tree: token j then attends to the cache and to its ancestors only, at RoPE position
         next_pos + its depth (keep the accepted path with `KVCache.keep`).
-        Returns per request (logits [L_i, V] fp32, features [L_i, n*H]); with `logits_last_only` logits
-        [1, V] of the last token only: a prefill needs no more, and SmolLM2's LM head costs ~0.5 ms per
-        row on two CPU cores (32 prompts of ~90 tokens: ~1.5 s of logits nobody reads)."""
+        Returns per request (logits [L_i, V] fp32, features [L_i, n*H]); with `logits_last_only` (for all
+        requests, or a list with one flag per request) logits [1, V] of the last token only: a prefill
+        needs no more, and SmolLM2's LM head costs ~0.5 ms per row on two CPU cores (32 prompts of ~90
+        tokens: ~1.5 s of logits nobody reads). Prompts and verify rows can share one call (the engine
+        prefills new requests in its verify forward)."""
         lens = [int(t.numel()) for t in tokens]
+        last_only = [logits_last_only] * len(lens) if isinstance(logits_last_only, bool) else list(logits_last_only)
         dev = self.lm_head.weight.device
         tokens = [t.to(dev) for t in tokens]
         bounds = [0]
@@ -205,7 +225,7 @@ class TargetModel(nn.Module):
             x, feats = stacked  # [1, N, H], [N, n*H]
         else:
             feats = []
-            with prompt_rows(lens) if logits_last_only else contextlib.nullcontext():  # a prefill: each prompt in one call
+            with prompt_rows(_segments(lens, last_only)) if any(last_only) else contextlib.nullcontext():  # each prompt in one call
                 for li, layer in enumerate(self.model.layers):
                     attn = layer.self_attn
                     h = layer.input_layernorm(x)
@@ -218,11 +238,13 @@ class TargetModel(nn.Module):
                         feats.append(x)
             feats = torch.cat(feats, dim=-1)[0]  # [N, n*H]
         feats = [feats[a:b] for a, b in zip(bounds, bounds[1:])]
-        if logits_last_only:
-            last = torch.tensor([b - 1 for b in bounds[1:]], device=dev)
-            return list(self.lm_head(self.model.norm(x[0, last])).float().split(1)), feats  # R x [1, V]
-        logits = self.lm_head(self.model.norm(x)[0]).float()  # [N, V]
-        return [logits[a:b] for a, b in zip(bounds, bounds[1:])], feats
+        if not any(last_only):
+            logits = self.lm_head(self.model.norm(x)[0]).float()  # [N, V]
+            return [logits[a:b] for a, b in zip(bounds, bounds[1:])], feats
+        rows = [range(b - 1, b) if last else range(a, b) for a, b, last in zip(bounds, bounds[1:], last_only)]
+        idx = torch.tensor([i for r in rows for i in r], device=dev)  # [rows kept]
+        logits = self.lm_head(self.model.norm(x[0, idx])).float()  # [rows kept, V]
+        return list(logits.split([len(r) for r in rows])), feats
 
     def _stacked(self, x: torch.Tensor, batch: Ragged, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`forward_packed`'s layer loop in one C++ call (kernels/stack_cpu.py), with the Python loop's bits,
