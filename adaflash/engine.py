@@ -1,6 +1,6 @@
 """Continuous-batching speculative engine (no HTTP, no tokenizer).
 
-Each `step()` admits waiting requests (prefill packed into one forward), drafts one block per
+Each `step()` admits waiting requests (their prompts packed into the step's verify forward), drafts one block per
 running request (one drafter pass for all; a fixed or EMA policy drafts only the positions it will
 verify, the length head the block length it was fitted on, since it reads the block), lets the
 verify-length policy choose how many tokens each request verifies (before drafting, a policy may
