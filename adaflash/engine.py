@@ -97,6 +97,7 @@ class RequestState:
     context: list[torch.Tensor] = field(default_factory=list)  # target features [n, n*H] not yet in dcache
     context_tokens: int = 0  # rows in `context`, kept as it grows (a policy reads it every step)
     admitted: bool = False  # prefilled (got a first token); stays True after the caches are released
+    features: torch.Tensor | None = None  # [prompt + out - 1, n*H] every fed token's target features (keep_features)
     out: list[int] = field(default_factory=list)
     rounds: list[Round] = field(default_factory=list)
     ema_verify: float = 0.0
@@ -306,13 +307,19 @@ class Engine:
         lookup: int = 0,
         lookup_min: int = 2,
         tree: int = 0,
+        keep_features: bool = False,
     ):
+        if keep_features and policy.drafts:
+            raise ValueError(f"keep_features needs a plain-decoding policy (got {policy.name}): a drafter consumes the features")
         if policy.drafts and drafter is None:
             raise ValueError(f"policy {policy.name} needs a drafter")
         if lookup < 0 or not 1 <= lookup_min <= 3:
             raise ValueError(f"lookup must be >= 0 (got {lookup}) and lookup_min 1..3 (got {lookup_min})")
         if tree < 0 or (tree and not policy.drafts):
             raise ValueError(f"tree must be >= 0 (got {tree}) and needs a drafting policy (got {policy.name})")
+        # every fed token's target features, kept on the request (`RequestState.features` once it is done):
+        # regeneration's training data, recorded while decoding
+        self.keep_features = keep_features
         self.lookup, self.lookup_min, self.tree = lookup, lookup_min, tree
         self.target, self.policy = target, policy
         self.slot = DrafterSlot(drafter, head, version)
@@ -443,7 +450,7 @@ class Engine:
 
     def _first_token(self, st: RequestState, logits: torch.Tensor, feats: torch.Tensor) -> None:
         """A request prefilled this step: logits [1, V] of its prompt's last token, feats [prompt, n*H]."""
-        if self.policy.drafts:
+        if self.policy.drafts or self.keep_features:
             st.add_context(feats)
         st.t_first, st.admitted = time.perf_counter(), True
         self._commit(st, [int(pick(logits[-1], st.req.temperature, st.gen))])
@@ -460,6 +467,8 @@ class Engine:
         for s in done:
             s.t_done = time.perf_counter()
             s.tcache = s.dcache = None
+            if self.keep_features and s.context:
+                s.features = s.take_context()
             s.context, s.context_tokens = [], 0
         self.running = [s for s in self.running if s.finish_reason is None]
         self.stats["steps"] += 1
@@ -519,7 +528,7 @@ class Engine:
         new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
         if plans:
             self.ema_verify_all += self.ema_alpha * (tokens / len(plans) - self.ema_verify_all)
-        if self.policy.drafts:  # the drafter reads them when this request drafts next (_draft)
+        if self.policy.drafts or self.keep_features:  # the drafter reads them when this request drafts next (_draft)
             for p, ft in zip(plans, new_feats):
                 p.st.add_context(ft)
         chains = [p for p in plans if p.kind == "draft"]

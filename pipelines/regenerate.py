@@ -1,6 +1,10 @@
 """Stage (a) of pretraining: the target answers the training prompts itself ("regenerated" data).
 
-Batched decoding (left-padded, finished rows dropped from the batch) writes one shard per batch:
+On a CPU the answers come from the serving engine's plain decoding (adaflash.engine: continuous
+batching, prompts packed without padding, the C++ decoder stack where the CPU has it), a finished
+request's slot refilled at once; on a GPU from padded batched decoding (`answer_batch`: left-padded,
+finished rows dropped), where one padded call per step is what a GPU runs best and the engine's
+per-request prefill calls would not be. Either way one shard per `batch_size` answers:
 `answers-NNNNN.parquet` (prompt id, domain, prompt and response token ids, sampling temperature) and,
 beside it, `answers-NNNNN.features.safetensors` holding the target-layer hidden states of every token
 that was fed to the target (all but the last one). Those are exactly the drafter's context features,
@@ -16,6 +20,7 @@ Parquet file does. A rerun skips answers already written.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -26,6 +31,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from adaflash.engine import ARPolicy, Engine, Request
 from adaflash.target import Target
 
 SCHEMA = pa.schema(
@@ -131,6 +137,11 @@ def batches(lengths: list[int], batch_size: int, max_batch_tokens: int | None) -
     return out
 
 
+def _seed(seed: int, answer_id: str) -> int:
+    """A sampled answer's generator seed: from the run's seed and the answer's id."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{answer_id}".encode()).digest()[:8], "little") >> 1
+
+
 def regenerate(
     target: Target,
     records: list,
@@ -158,30 +169,15 @@ def regenerate(
     dev = target.model.lm_head.weight.device
     t0, new_tokens, answered = time.perf_counter(), 0, 0
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="regenerate", unit="answer")
-    for start, end in batches([len(chats[r.prompt_id]) for r, _, _ in encoded], batch_size, max_batch_tokens):
-        if time_limit_min is not None and time.perf_counter() - t0 > 60 * time_limit_min:
-            print(f"[adaflash] regenerate: time limit reached with {len(encoded) - start} answers to go; rerun to continue")
-            break
-        batch = encoded[start:end]
-        gen = torch.Generator(dev).manual_seed(seed * 1_000_003 + shard)  # a shard's samples are reproducible
-        answers = answer_batch(
-            target, [chats[r.prompt_id] for r, _, _ in batch], max_new_tokens, [t for _, _, t in batch], gen, features=store_features
-        )
+
+    def write(answers: list[tuple]) -> None:  # [(job, response ids, ended with EOS, features [P+R-1, n*H] or None)]
+        nonlocal shard, new_tokens, answered
         rows, feats, offset = [], [], 0
-        for (rec, answer_id, temp), (resp, fin, f) in zip(batch, answers):
-            rows.append(
-                dict(
-                    prompt_id=answer_id,
-                    domain=rec.domain,
-                    prompt_ids=chats[rec.prompt_id],
-                    response_ids=resp,
-                    finished=fin,
-                    feat_offset=offset if store_features else -1,
-                    temperature=temp,
-                )
-            )
+        for (rec, answer_id, temp), resp, fin, f in answers:
+            row = dict(prompt_id=answer_id, domain=rec.domain, prompt_ids=chats[rec.prompt_id], response_ids=resp, finished=fin)
+            rows.append(row | dict(feat_offset=offset if store_features else -1, temperature=temp))
             if store_features:
-                feats.append(f)
+                feats.append(f.cpu())
                 offset += f.shape[0]
             new_tokens += len(resp)
         name = f"answers-{shard:05d}"
@@ -191,9 +187,41 @@ def regenerate(
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
         os.replace(tmp, out_dir / f"{name}.parquet")
         shard += 1
-        answered += len(batch)
-        bar.update(len(batch))
+        answered += len(answers)
+        bar.update(len(answers))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+
+    def over_time(left: int) -> bool:
+        if time_limit_min is None or time.perf_counter() - t0 <= 60 * time_limit_min:
+            return False
+        print(f"[adaflash] regenerate: time limit reached with {left} answers to go; rerun to continue")
+        return True
+
+    if dev.type == "cpu":  # the engine: continuous batching, no padding
+        budget = max(max_batch_tokens or 0, 2048, max((len(c) for c in chats.values()), default=0) + batch_size)
+        engine = Engine(
+            target.model, None, ARPolicy(), target.eos_ids, max_batch=batch_size, token_budget=budget, keep_features=store_features
+        )
+        jobs_by_id = {answer_id: (rec, answer_id, temp) for rec, answer_id, temp in encoded}
+        for rec, answer_id, temp in encoded:  # an answer's sample depends on its id and the seed alone, not on its batch
+            engine.submit(Request(answer_id, chats[rec.prompt_id], max_new_tokens, temp, _seed(seed, answer_id)))
+        done_states = []
+        while not engine.idle and not over_time(len(encoded) - answered - len(done_states)):
+            done_states += engine.step()
+            while len(done_states) >= batch_size or (done_states and engine.idle):
+                part, done_states = done_states[:batch_size], done_states[batch_size:]
+                write([(jobs_by_id[st.req.request_id], st.out, st.finish_reason == "stop", st.features) for st in part])
+        if done_states:
+            write([(jobs_by_id[st.req.request_id], st.out, st.finish_reason == "stop", st.features) for st in done_states])
+    else:
+        for start, end in batches([len(chats[r.prompt_id]) for r, _, _ in encoded], batch_size, max_batch_tokens):
+            if over_time(len(encoded) - start):
+                break
+            batch = encoded[start:end]
+            gen = torch.Generator(dev).manual_seed(seed * 1_000_003 + shard)  # a shard's samples are reproducible
+            prompts, temps = [chats[r.prompt_id] for r, _, _ in batch], [t for _, _, t in batch]
+            answers = answer_batch(target, prompts, max_new_tokens, temps, gen, features=store_features)
+            write([(job, *answer) for job, answer in zip(batch, answers)])
     bar.close()
     stats = {
         "prompts": len(records),

@@ -12,6 +12,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
+from adaflash.engine import FixedPolicy
 from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, run_stages
 
 from adaflash.config import ConfigError, from_dict, load_config, to_dict
@@ -128,6 +129,28 @@ def test_regeneration_batches_respect_the_token_budget():
     assert batches([1, 2, 3, 4, 5, 10, 10, 20], 3, 20) == [(0, 3), (3, 5), (5, 7), (7, 8)]
     assert batches([1, 2, 3], 8, None) == [(0, 3)]
     assert batches([50], 4, 20) == [(0, 1)]  # a prompt longer than the budget still gets its own batch
+
+
+def test_engine_regeneration_matches_padded_decoding(tiny_hf_dir):
+    """On a CPU regeneration runs the serving engine's plain decoding (continuous batching, no padding);
+    its greedy answers are padded batched decoding's token for token, and the features it keeps for
+    every fed token (the prompt, then all but the last answer token) are the same hidden states."""
+    from adaflash.engine import ARPolicy, Engine, Request
+    from adaflash.pipelines.regenerate import answer_batch
+
+    from adaflash.target import load_target
+
+    target = load_target(str(tiny_hf_dir), "float32")
+    prompts = [[1, 5, 9, 2], [3, 3, 7, 8, 1, 4, 6], [2], [9, 8, 7, 6, 5]]
+    padded = answer_batch(target, prompts, 10)
+    engine = Engine(target.model, None, ARPolicy(), target.eos_ids, max_batch=3, keep_features=True)  # 3 slots, 4 prompts
+    states = engine.run([Request(f"p{i}", p, 10) for i, p in enumerate(prompts)])
+    for (resp, fin, feats), st, p in zip(padded, states, prompts):
+        assert st.out == resp and (st.finish_reason == "stop") == fin
+        assert st.features.shape == (len(p) + len(resp) - 1, feats.shape[1])
+        torch.testing.assert_close(st.features, feats, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="plain-decoding policy"):
+        Engine(target.model, None, FixedPolicy(2), target.eos_ids, keep_features=True)
 
 
 def test_block_labels():
