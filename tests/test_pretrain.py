@@ -12,10 +12,10 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
-from adaflash.engine import FixedPolicy
 from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, run_stages
 
 from adaflash.config import ConfigError, from_dict, load_config, to_dict
+from adaflash.engine import FixedPolicy
 from adaflash.recipe import block_labels
 
 
@@ -135,9 +135,9 @@ def test_engine_regeneration_matches_padded_decoding(tiny_hf_dir):
     """On a CPU regeneration runs the serving engine's plain decoding (continuous batching, no padding);
     its greedy answers are padded batched decoding's token for token, and the features it keeps for
     every fed token (the prompt, then all but the last answer token) are the same hidden states."""
-    from adaflash.engine import ARPolicy, Engine, Request
     from adaflash.pipelines.regenerate import answer_batch
 
+    from adaflash.engine import ARPolicy, Engine, Request
     from adaflash.target import load_target
 
     target = load_target(str(tiny_hf_dir), "float32")
