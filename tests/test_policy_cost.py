@@ -460,7 +460,7 @@ def test_undrafted_batch_skips_planning_without_changing_a_decision():
 
         for step in range(200):
             if plan_every_step:
-                policy._idle = None
+                policy._last = None
             batch = st[: 8 if step < 120 else 6]  # two requests finish
             picks.append(policy.select(batch))
         return picks, dict(policy.skipped), planned
