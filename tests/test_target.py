@@ -130,6 +130,40 @@ def test_packed_ragged_verification_matches_separate_forwards():
         torch.testing.assert_close(packed_caches[i].k[1][:, :, : ref_caches[i].length], ref_caches[i].k[1][:, :, : ref_caches[i].length])
 
 
+def test_prompts_and_verify_rows_share_one_forward():
+    """The engine prefills new requests in its verify forward: a prompt packed beside other requests'
+    verify tokens (logits of its last row only) gives its prefill's last logits and features, and the verify
+    rows theirs."""
+    from adaflash.target import _segments
+
+    model = tiny_target(4)
+    g = torch.Generator().manual_seed(3)
+    running = [torch.randint(0, 64, (n,), generator=g) for n in (5, 9)]
+    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (12, 7)]
+    verify = [torch.randint(0, 64, (n,), generator=g) for n in (4, 2)]
+    mixed, ref = [], []
+    for p in running:
+        for store in (mixed, ref):
+            c = model.new_cache(1, capacity=8)
+            model(p[None], c)
+            store.append(c)
+    fresh = [model.new_cache(1, capacity=8) for _ in prompts]
+    tokens, caches = [prompts[0], verify[0], prompts[1], verify[1]], [fresh[0], mixed[0], fresh[1], mixed[1]]
+    logits, feats = model.forward_packed(tokens, caches, logits_last_only=[True, False, True, False])
+    alone = [model.new_cache(1, capacity=8) for _ in prompts]
+    pre_logits, pre_feats = model.forward_packed(prompts, alone, logits_last_only=True)
+    for i, j in ((0, 0), (2, 1)):  # the prompts
+        assert logits[i].shape == (1, model.config.vocab_size)
+        torch.testing.assert_close(logits[i], pre_logits[j], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(feats[i], pre_feats[j], atol=1e-4, rtol=1e-4)
+    for i, j in ((1, 0), (3, 1)):  # the verify rows
+        ref_logits, ref_feats = model(verify[j][None], ref[j])
+        torch.testing.assert_close(logits[i], ref_logits[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(feats[i], ref_feats[0], atol=1e-4, rtol=1e-4)
+    assert _segments([12, 4, 7, 2], [True, False, True, False]) == [12, 4, 7, 2]
+    assert _segments([3, 30, 2, 50, 4], [False, False, False, True, False]) == [3, 32, 50, 4]  # verify rows in runs of <= 32
+
+
 @pytest.mark.parametrize("shape", [(1, 576), (2, 576), (1, 3, 576), (3, 576), (1, 4, 576), (2, 5, 576), (1, 16, 576), (0, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad", [False, True])
