@@ -424,7 +424,7 @@ class Engine:
                 req,
                 self.slot,
                 self.pool.take(cap),
-                None,  # the drafter cache: taken when the request first drafts (_extend_context)
+                self.slot.new_cache(cap) if self.policy.drafts else None,
                 torch.Generator(device=dev).manual_seed(req.seed),
                 t_start=time.perf_counter(),
             )
@@ -603,14 +603,11 @@ class Engine:
                     timing = (r + len(group), length, secs + self._clock() - t0, cx + extended)
         return timing
 
-    def _extend_context(self, slot: DrafterSlot, states: list[RequestState]) -> int:
+    @staticmethod
+    def _extend_context(slot: DrafterSlot, states: list[RequestState]) -> int:
         """Extend the drafter caches of requests about to draft with the features their text gained
         since they last drafted, in one packed call: a request that does not draft (plain decoding
-        chosen by the policy, a prompt-lookup round) costs the drafter nothing that step, and one that
-        never drafts holds no drafter cache (it is taken at its first draft). -> tokens extended."""
-        for s in states:
-            if s.dcache is None:
-                s.dcache = slot.new_cache(len(s.req.prompt_ids) + s.req.max_new_tokens + self.max_verify + 1)
+        chosen by the policy, a prompt-lookup round) costs the drafter nothing that step. -> tokens extended."""
         todo = [s for s in states if s.context]
         if not todo:
             return 0
