@@ -244,6 +244,17 @@ def engine_row(engine: Engine, states: list, wall: float, k_blk: int, steady: tu
     }
 
 
+def mismatches(outputs: list[list[int]], ref: list[list[int]], most: int = 8) -> list[dict]:
+    """Requests whose greedy output differs from plain decoding's (at most `most`): where they part and
+    the tokens around it, so a rare mismatch can be looked into after the run."""
+    out = []
+    for i, (a, b) in enumerate(zip(outputs, ref)):
+        if a != b and len(out) < most:
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append({"request": i, "at": at, "method": a[max(0, at - 4) : at + 4], "ar": b[max(0, at - 4) : at + 4]})
+    return out
+
+
 def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, max_new: int, eos: list[int], pad_id: int) -> dict:
     """transformers' own generate (greedy); hf-pld uses prompt_lookup_num_tokens (batch 1 only)."""
     kw = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=pad_id)
@@ -490,6 +501,7 @@ def bench(
             if "ar" in runs and not is_peer(m):  # greedy: every engine method must emit plain decoding's tokens
                 ref = runs["ar"][0]["outputs"]
                 r["same_as_ar"] = sum(a == b for a, b in zip(r["outputs"], ref)) / len(ref)
+                r["mismatches"] = mismatches(r["outputs"], ref)  # kept in results.json: what to look at if one ever differs
             rows.append(r)
         cell = [x for x in rows if x["domain"] == domain and x["concurrency"] == conc]
         best = max((x["tokens_per_s"] for x in cell if is_peer(x["method"])), default=None)
@@ -644,6 +656,10 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
             f"{r['n_requests']} | {fmt(pct(r.get('same_as_ar')), '.0f')}% | {fmt(pct(r.get('undrafted_rounds')), '.0f')}% | "
             f"{r['peak_rss_mib']} |"
         )
+    differ = [r for r in rows if r.get("mismatches")]
+    if differ:  # greedy speculation must reproduce plain decoding: say it loudly, with where to look
+        cells = ", ".join(f"{r['domain']} c={r['concurrency']} {r['method']} ({len(r['mismatches'])})" for r in differ)
+        lines += ["", f"**Greedy output differs from plain decoding** in {cells}: `mismatches` in results.json has where."]
     return "\n".join(lines + winners_markdown(rows)) + "\n"
 
 

@@ -269,3 +269,23 @@ def test_bench_steady_cycles_prompts_and_times_the_full_batch(tiny_hf_dir, tiny_
     assert [r["n_requests"] for r in json.loads((tmp_path / "b" / "results.json").read_text())["rows"]] == [3, 6]
     assert main([*common, "--methods", "ar,fixed2", "--min-requests", "2", "--steady"]) == 2  # not above concurrency 2
     assert main([*common, "--methods", "ar,hf", "--min-requests", "7", "--steady"]) == 2  # a peer's run is whole
+
+
+def test_a_greedy_mismatch_is_kept_and_reported():
+    """A method whose greedy output differs from plain decoding's gets where they part in results.json and
+    a line in the report (a rare mismatch must be visible after the run, not only as a percentage)."""
+    from adaflash.pipelines.bench import mismatches, report_markdown
+
+    ref = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [1, 1]]
+    got = mismatches([[1, 2, 3, 9, 5, 6], [7, 8, 9], [1, 1, 2]], ref)
+    assert got == [
+        {"request": 0, "at": 3, "method": [1, 2, 3, 9, 5, 6], "ar": [1, 2, 3, 4, 5, 6]},
+        {"request": 2, "at": 2, "method": [1, 1, 2], "ar": [1, 1]},
+    ]
+    assert mismatches(ref, ref) == []
+    row = {"domain": "gsm8k", "concurrency": 8, "method": "cost", "tokens_per_s": 1.0, "speedup_vs_ar": 1.0, "tau": 1.0,
+           "verify_tokens_per_step": 1.0, "latency_per_token_p50": None, "latency_per_token_p95": None, "n_requests": 3,
+           "same_as_ar": 1 / 3, "peak_rss_mib": 1, "mismatches": got}  # fmt: skip
+    meta = {"command": "adaflash bench", "machine": "x", "max_new_tokens": 6, "token_budget": 512}
+    assert "**Greedy output differs from plain decoding** in gsm8k c=8 cost (2)" in report_markdown([row], meta)
+    assert "differs" not in report_markdown([row | {"mismatches": []}], meta)
