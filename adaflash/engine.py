@@ -320,6 +320,7 @@ class Engine:
         # every fed token's target features, kept on the request (`RequestState.features` once it is done):
         # regeneration's training data, recorded while decoding
         self.keep_features = keep_features
+        self.keep_context = policy.drafts or keep_features  # fed tokens' features queue on the request (`add_context`)
         self.lookup, self.lookup_min, self.tree = lookup, lookup_min, tree
         self.target, self.policy = target, policy
         self.slot = DrafterSlot(drafter, head, version)
@@ -450,7 +451,7 @@ class Engine:
 
     def _first_token(self, st: RequestState, logits: torch.Tensor, feats: torch.Tensor) -> None:
         """A request prefilled this step: logits [1, V] of its prompt's last token, feats [prompt, n*H]."""
-        if self.policy.drafts or self.keep_features:
+        if self.keep_context:
             st.add_context(feats)
         st.t_first, st.admitted = time.perf_counter(), True
         self._commit(st, [int(pick(logits[-1], st.req.temperature, st.gen))])
@@ -528,7 +529,7 @@ class Engine:
         new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
         if plans:
             self.ema_verify_all += self.ema_alpha * (tokens / len(plans) - self.ema_verify_all)
-        if self.policy.drafts or self.keep_features:  # the drafter reads them when this request drafts next (_draft)
+        if self.keep_context:  # the drafter reads them when this request drafts next (_draft)
             for p, ft in zip(plans, new_feats):
                 p.st.add_context(ft)
         chains = [p for p in plans if p.kind == "draft"]

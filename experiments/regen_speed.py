@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 from adaflash.pipelines.prompts import read_prompts
-from adaflash.pipelines.regenerate import answer_batch, batches
+from adaflash.pipelines.regenerate import answer_batch, batches, regen_engine
 
-from adaflash.engine import ARPolicy, Engine, Request
+from adaflash.engine import Request
 from adaflash.target import bf16_is_fast, load_target
 
 DOMAINS = ("gsm8k", "code", "magpie_chat", "magpie_writing")
@@ -42,12 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
     records = read_prompts(args.prompt_sets / "train.parquet", list(DOMAINS), args.prompts // len(DOMAINS))
     chats = sorted((target.encode_chat(r.messages) for r in records), key=len)
     answer_batch(target, chats[:2], 4)  # warm both paths (kernel builds, first calls)
-    Engine(target.model, None, ARPolicy(), target.eos_ids, max_batch=2).run([Request("warm", chats[0], 4)])
+    regen_engine(target, 2, len(chats[0])).run([Request("warm", chats[0], 4)])
 
     t = time.perf_counter()
-    budget = max(2048, len(chats[-1]) + args.batch)
-    engine = Engine(target.model, None, ARPolicy(), target.eos_ids, max_batch=args.batch, token_budget=budget, keep_features=True)
-    states = engine.run([Request(f"p{i}", c, args.max_new_tokens) for i, c in enumerate(chats)])
+    states = regen_engine(target, args.batch, len(chats[-1])).run([Request(f"p{i}", c, args.max_new_tokens) for i, c in enumerate(chats)])
     engine_s = time.perf_counter() - t
     t = time.perf_counter()
     padded = []

@@ -137,6 +137,13 @@ def batches(lengths: list[int], batch_size: int, max_batch_tokens: int | None) -
     return out
 
 
+def regen_engine(target: Target, batch_size: int, longest: int, max_batch_tokens: int | None = None, keep_features: bool = True) -> Engine:
+    """The engine regeneration answers with on a CPU: plain decoding of `batch_size` requests at a time,
+    keeping every fed token's features, its token budget room for the `longest` prompt beside a full batch."""
+    budget = max(max_batch_tokens or 0, 2048, longest + batch_size)
+    return Engine(target.model, None, ARPolicy(), target.eos_ids, max_batch=batch_size, token_budget=budget, keep_features=keep_features)
+
+
 def _seed(seed: int, answer_id: str) -> int:
     """A sampled answer's generator seed: from the run's seed and the answer's id."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{answer_id}".encode()).digest()[:8], "little") >> 1
@@ -174,8 +181,17 @@ def regenerate(
         nonlocal shard, new_tokens, answered
         rows, feats, offset = [], [], 0
         for (rec, answer_id, temp), resp, fin, f in answers:
-            row = dict(prompt_id=answer_id, domain=rec.domain, prompt_ids=chats[rec.prompt_id], response_ids=resp, finished=fin)
-            rows.append(row | dict(feat_offset=offset if store_features else -1, temperature=temp))
+            rows.append(
+                dict(
+                    prompt_id=answer_id,
+                    domain=rec.domain,
+                    prompt_ids=chats[rec.prompt_id],
+                    response_ids=resp,
+                    finished=fin,
+                    feat_offset=offset if store_features else -1,
+                    temperature=temp,
+                )
+            )
             if store_features:
                 feats.append(f.cpu())
                 offset += f.shape[0]
@@ -198,21 +214,19 @@ def regenerate(
         return True
 
     if dev.type == "cpu":  # the engine: continuous batching, no padding
-        budget = max(max_batch_tokens or 0, 2048, max((len(c) for c in chats.values()), default=0) + batch_size)
-        engine = Engine(
-            target.model, None, ARPolicy(), target.eos_ids, max_batch=batch_size, token_budget=budget, keep_features=store_features
-        )
+        longest = max((len(c) for c in chats.values()), default=0)
+        engine = regen_engine(target, batch_size, longest, max_batch_tokens, keep_features=store_features)
         jobs_by_id = {answer_id: (rec, answer_id, temp) for rec, answer_id, temp in encoded}
         for rec, answer_id, temp in encoded:  # an answer's sample depends on its id and the seed alone, not on its batch
             engine.submit(Request(answer_id, chats[rec.prompt_id], max_new_tokens, temp, _seed(seed, answer_id)))
-        done_states = []
-        while not engine.idle and not over_time(len(encoded) - answered - len(done_states)):
-            done_states += engine.step()
-            while len(done_states) >= batch_size or (done_states and engine.idle):
-                part, done_states = done_states[:batch_size], done_states[batch_size:]
-                write([(jobs_by_id[st.req.request_id], st.out, st.finish_reason == "stop", st.features) for st in part])
-        if done_states:
-            write([(jobs_by_id[st.req.request_id], st.out, st.finish_reason == "stop", st.features) for st in done_states])
+        answers = []  # finished, not yet in a shard: (job, response ids, ended with EOS, features)
+        while not engine.idle and not over_time(len(encoded) - answered - len(answers)):
+            answers += [(jobs_by_id[st.req.request_id], st.out, st.finish_reason == "stop", st.features) for st in engine.step()]
+            while len(answers) >= batch_size:
+                write(answers[:batch_size])
+                answers = answers[batch_size:]
+        if answers:  # the last, shorter shard (or what finished before the time limit)
+            write(answers)
     else:
         for start, end in batches([len(chats[r.prompt_id]) for r, _, _ in encoded], batch_size, max_batch_tokens):
             if over_time(len(encoded) - start):

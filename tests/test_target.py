@@ -110,17 +110,23 @@ def test_smollm2_matches_transformers(smollm2_dir):
     torch.testing.assert_close(logits, ref, atol=2e-4, rtol=1e-4)
 
 
+def prefilled_twice(model, prompts: list[torch.Tensor]) -> tuple[list, list]:
+    """Two batch-1 caches per prompt, each prefilled with it: one to test a packed forward on, one for the reference."""
+    pairs = []
+    for p in prompts:
+        pair = [model.new_cache(1, capacity=8) for _ in range(2)]
+        for c in pair:
+            model(p[None], c)
+        pairs.append(pair)
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
 def test_packed_ragged_verification_matches_separate_forwards():
     """Verify lengths 3, 16 and 7 packed into one forward give the logits of three separate ones."""
     model = tiny_target(4)
     prompts = [torch.randint(0, 64, (n,)) for n in (6, 11, 4)]
     new = [torch.randint(0, 64, (n,)) for n in (3, 16, 7)]
-    packed_caches, ref_caches = [], []
-    for p in prompts:
-        for store in (packed_caches, ref_caches):
-            c = model.new_cache(1, capacity=8)
-            model(p[None], c)
-            store.append(c)
+    packed_caches, ref_caches = prefilled_twice(model, prompts)
     logits, feats = model.forward_packed(new, packed_caches)
     for i, t in enumerate(new):
         ref_logits, ref_feats = model(t[None], ref_caches[i])
@@ -141,12 +147,7 @@ def test_prompts_and_verify_rows_share_one_forward():
     running = [torch.randint(0, 64, (n,), generator=g) for n in (5, 9)]
     prompts = [torch.randint(0, 64, (n,), generator=g) for n in (12, 7)]
     verify = [torch.randint(0, 64, (n,), generator=g) for n in (4, 2)]
-    mixed, ref = [], []
-    for p in running:
-        for store in (mixed, ref):
-            c = model.new_cache(1, capacity=8)
-            model(p[None], c)
-            store.append(c)
+    mixed, ref = prefilled_twice(model, running)
     fresh = [model.new_cache(1, capacity=8) for _ in prompts]
     tokens, caches = [prompts[0], verify[0], prompts[1], verify[1]], [fresh[0], mixed[0], fresh[1], mixed[1]]
     logits, feats = model.forward_packed(tokens, caches, logits_last_only=[True, False, True, False])
