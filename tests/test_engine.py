@@ -3,6 +3,8 @@ policy lossless, token trees and prompt lookup batched, requests joining mid-fli
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import greedy_reference, tiny_drafter, tiny_target
@@ -317,3 +319,57 @@ def test_admission_reads_what_rounds_verify_not_the_block_size():
     plain = admissions(Engine(target, None, ARPolicy(), eos_ids=[], max_batch=8, token_budget=40))
     one = admissions(Engine(target, drafter, FixedPolicy(1), eos_ids=[], max_batch=8, token_budget=40))
     assert len(plain) > 3 and one == plain
+
+
+class RandomPolicy(FixedPolicy):
+    """Every decision a verify policy can make, drawn at random: which requests draft (`select`), the block
+    length, each verify length and each lookup chain's kept prefix. Greedy output may depend on none of them."""
+
+    name = "random"
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def select(self, states, others=(0, 0)):
+        return [self.rng.random() < 0.6 for _ in states]
+
+    def draft_len(self, k_blk, head=None):
+        return self.rng.randint(2, k_blk)
+
+    def lengths(self, states, hidden, k_blk):
+        return [self.rng.randint(1, hidden.shape[1]) for _ in states], [float("nan")] * len(states)
+
+    def lookup_lengths(self, states, chains, others=0):
+        return [self.rng.randint(0, n) for n in chains]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_decisions_in_lockstep_with_plain_decoding_are_lossless(seed):
+    """Any sequence of policy decisions, on an engine that takes its steps in turn with a plain-decoding
+    engine on the same target (as `adaflash bench --interleave` runs them), with prompts prefilled beside
+    verify rows, admission spread by a tight token budget and requests of every length: each greedy
+    output equals plain greedy decoding. Both engines use the row-invariant attention kernel (head dim 32)."""
+    rng = random.Random(seed)
+    target = tiny_target(seed, std=0.15, head_dim=32)
+    drafter = tiny_drafter(target, seed, block_size=8)
+    budget = rng.choice([24, 40, 400])
+    lookup = rng.choice([0, 3])
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 64, (rng.randint(2, 20),), generator=g).tolist() for _ in range(10)]
+    new = [rng.randint(1, 14) for _ in prompts]
+    engines = {
+        "ar": Engine(target, None, ARPolicy(), eos_ids=[5], max_batch=rng.randint(1, 5), token_budget=budget),
+        "x": Engine(target, drafter, RandomPolicy(seed), eos_ids=[5], max_batch=rng.randint(1, 5), token_budget=budget, lookup=lookup),
+    }
+    for m, e in engines.items():
+        for i, (p, n) in enumerate(zip(prompts, new)):
+            e.submit(Request(str(i), p, n))
+    outs: dict[str, dict[str, list[int]]] = {m: {} for m in engines}
+    while live := [m for m in engines if not engines[m].idle]:
+        for m in rng.sample(live, len(live)):
+            outs[m].update((s.req.request_id, s.out) for s in engines[m].step())
+    for i, (p, n) in enumerate(zip(prompts, new)):
+        ref = greedy_reference(target, p, n, [5])
+        assert outs["ar"][str(i)] == ref and outs["x"][str(i)] == ref, (i, outs["x"][str(i)], ref)
+    assert engines["x"].stats["max_step_tokens"] <= budget
