@@ -33,6 +33,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t i16 __attribute__((vector_size(64)));
+typedef int32_t i8 __attribute__((vector_size(32)));
 
 inline v16 load(const float* p) {
   v16 x;
@@ -53,29 +54,58 @@ inline v16 load(const at::BFloat16* p) {
 
 inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
 
+// Without AVX-512, GCC keeps a 16-lane vector in memory and moves its halves through the stack and general
+// registers between operations (a store-forwarding stall each): one query's attention over 300 keys took 0.42 ms
+// a layer on an AVX2-only CPU, 6x PyTorch's. The hot loops there run on the two 8-lane halves in registers
+// (V8 = v8, native), with the same operations lane for lane, so the same bits.
+#if !defined(__AVX512F__)
+#define HALVES 1
+inline void halves(const float* p, v8& lo, v8& hi) {
+  std::memcpy(&lo, p, sizeof(lo));
+  std::memcpy(&hi, p + 8, sizeof(hi));
+}
+inline void halves(const at::BFloat16* p, v8& lo, v8& hi) {
+  const v16 x = load(p);
+  std::memcpy(&lo, &x, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+}
+inline float hsum8(v8 lo, v8 hi) {  // hsum's operations on the two halves
+  const v8 a = lo + hi;
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+
 inline float hsum(v16 x) {  // (lanes 0-7 + 8-15), then halves again: a fixed order
+#ifdef HALVES
+  v8 lo, hi;
+  halves(reinterpret_cast<const float*>(&x), lo, hi);
+  return hsum8(lo, hi);
+#else
   v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
   v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+#endif
 }
 
-// exp(x) for x <= 0 on 16 lanes (Cephes' expf polynomial; below -87 gives ~1e-38)
-inline v16 exp16(v16 v) {
-  const v16 lo = v16{} - 87.0f;
+// exp(x) for x <= 0 on 16 (V = v16, I = i16) or 8 lanes (Cephes' expf polynomial; below -87 gives ~1e-38)
+template <typename V, typename I>
+inline V expv(V v) {
+  const V lo = V{} - 87.0f;
   v = v < lo ? lo : v;
-  v16 t = v * 1.44269504088896341f + 0.5f;
-  v16 fx = __builtin_convertvector(__builtin_convertvector(t, i16), v16);  // truncation, then floor:
+  V t = v * 1.44269504088896341f + 0.5f;
+  V fx = __builtin_convertvector(__builtin_convertvector(t, I), V);  // truncation, then floor:
   fx = fx > t ? fx - 1.0f : fx;
-  v16 r = v - fx * 0.693359375f;
+  V r = v - fx * 0.693359375f;
   r = r + fx * 2.12194440e-4f;
-  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  i16 bits = (__builtin_convertvector(fx, i16) + 127) << 23;
-  v16 scale;
+  I bits = (__builtin_convertvector(fx, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
@@ -89,13 +119,34 @@ inline v16 products(const float* q, const T* k, int64_t d) {
 }
 
 template <typename T>
-inline float score(const float* q, const T* k, int64_t d, float sc) { return hsum(products(q, k, d)) * sc; }
+inline float score(const float* q, const T* k, int64_t d, float sc) {
+#ifdef HALVES  // products() and hsum() on the halves in registers
+  v8 ql, qh, kl, kh;
+  halves(q, ql, qh);
+  halves(k, kl, kh);
+  v8 lo = ql * kl, hi = qh * kh;
+  for (int64_t x = 16; x < d; x += 16) {
+    halves(q + x, ql, qh);
+    halves(k + x, kl, kh);
+    lo = lo + ql * kl;
+    hi = hi + qh * kh;
+  }
+  return hsum8(lo, hi) * sc;
+#else
+  return hsum(products(q, k, d)) * sc;
+#endif
+}
 
 #define SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 // 16 scores of keys k[0..16) for one query: each the same operations as score(), its halving sum
 // done for 16 keys at once by shuffles
 template <typename T>
 inline v16 score16(const float* q, const T* const* k, int64_t d, float sc) {
+#ifdef HALVES  // without AVX-512 (see halves()): each key's score() on register halves
+  alignas(64) float S[16];
+  for (int j = 0; j < 16; ++j) S[j] = score(q, k[j], d, sc);
+  return load(S);
+#else
   v16 A[16];
   for (int j = 0; j < 16; ++j) A[j] = products(q, k[j], d);
   v16 P[8], Q[4], R[2];
@@ -111,6 +162,7 @@ inline v16 score16(const float* q, const T* const* k, int64_t d, float sc) {
   v16 S = SH(R[0], R[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
           SH(R[0], R[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   return S * sc;
+#endif
 }
 
 // scores of one query against its block keys bq[0..nb) (slots; row r of `base` holds slot base_slot + r),
@@ -134,13 +186,18 @@ inline v16 madd(float w, v16 v, v16 acc) {
 #if defined(__AVX512F__)
   return reinterpret_cast<v16>(_mm512_fmadd_ps(_mm512_set1_ps(w), reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(acc)));
 #elif defined(__FMA__)
-  typedef float v8f __attribute__((vector_size(32)));
+  // the two 8-lane halves through memcpy, which GCC keeps in registers: the shuffles this used to split and
+  // join them (a 16-lane vector from two 8-lane ones) were lowered lane by lane through the stack, and the
+  // value sums ran 10x slower on an AVX2-only CPU
+  __m256 vh[2], ah[2];
+  std::memcpy(vh, &v, sizeof(vh));
+  std::memcpy(ah, &acc, sizeof(ah));
   const __m256 ws = _mm256_set1_ps(w);
-  const v8f lo = reinterpret_cast<v8f>(_mm256_fmadd_ps(ws, reinterpret_cast<__m256>(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)),
-                                                      reinterpret_cast<__m256>(__builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7))));
-  const v8f hi = reinterpret_cast<v8f>(_mm256_fmadd_ps(ws, reinterpret_cast<__m256>(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)),
-                                                      reinterpret_cast<__m256>(__builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15))));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  ah[0] = _mm256_fmadd_ps(ws, vh[0], ah[0]);
+  ah[1] = _mm256_fmadd_ps(ws, vh[1], ah[1]);
+  v16 out;
+  std::memcpy(&out, ah, sizeof(out));
+  return out;
 #else
   return acc + w * v;
 #endif
@@ -150,9 +207,55 @@ inline v16 madd(float w, v16 v, v16 acc) {
 // then over the query's block slots, in that order) / sum_q, with w_q = s + q * width (softmax weights)
 // and the block slots blk + q * n (len[q] of them). The G queries share each context V row as it is
 // read; every query's sums run in the same order whatever G is.
+#ifdef HALVES
+inline v8 madd8(float w, v8 v, v8 acc) {  // madd() on one half
+#if defined(__FMA__)
+  return reinterpret_cast<v8>(_mm256_fmadd_ps(_mm256_set1_ps(w), reinterpret_cast<__m256>(v), reinterpret_cast<__m256>(acc)));
+#else
+  return acc + w * v;
+#endif
+}
+#endif
+
 template <int NV, int G, typename T>
 void weighted_values(int64_t q0, const float* s, int64_t width, const T* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
                      int64_t n, const int64_t* len, int64_t d, const float* sums, float* op, const int64_t* qo) {
+#ifdef HALVES  // the same sums on register halves (see halves())
+  v8 acc[G][NV][2];
+  for (int g = 0; g < G; ++g)
+    for (int x = 0; x < NV; ++x) acc[g][x][0] = acc[g][x][1] = v8{};
+  for (int64_t c = 0; c < nc; ++c) {
+    const T* vr = vb + static_cast<int64_t>(cs[c]) * d;
+    v8 v[NV][2];
+    for (int x = 0; x < NV; ++x) halves(vr + 16 * x, v[x][0], v[x][1]);
+    for (int g = 0; g < G; ++g) {
+      const float wc = s[(q0 + g) * width + c];
+      for (int x = 0; x < NV; ++x) {
+        acc[g][x][0] = madd8(wc, v[x][0], acc[g][x][0]);
+        acc[g][x][1] = madd8(wc, v[x][1], acc[g][x][1]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t qi = q0 + g;
+    for (int64_t c = 0; c < len[qi]; ++c) {
+      const T* vr = vb + static_cast<int64_t>(blk[qi * n + c]) * d;
+      const float wc = s[qi * width + nc + c];
+      for (int x = 0; x < NV; ++x) {
+        v8 lo, hi;
+        halves(vr + 16 * x, lo, hi);
+        acc[g][x][0] = madd8(wc, lo, acc[g][x][0]);
+        acc[g][x][1] = madd8(wc, hi, acc[g][x][1]);
+      }
+    }
+    const v8 inv = v8{} + sums[qi];
+    for (int x = 0; x < NV; ++x) {
+      const v8 lo = acc[g][x][0] / inv, hi = acc[g][x][1] / inv;
+      std::memcpy(op + qo[qi] + 16 * x, &lo, sizeof(lo));
+      std::memcpy(op + qo[qi] + 16 * x + 8, &hi, sizeof(hi));
+    }
+  }
+#else
   v16 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int x = 0; x < NV; ++x) acc[g][x] = v16{};
@@ -175,6 +278,7 @@ void weighted_values(int64_t q0, const float* s, int64_t width, const T* vb, con
     const v16 inv = v16{} + sums[qi];
     for (int x = 0; x < NV; ++x) store(op + qo[qi] + 16 * x, acc[g][x] / inv);
   }
+#endif
 }
 
 // All queries of an item in groups of G (G * NV accumulators stay in registers), the rest in groups of 3,
@@ -197,6 +301,38 @@ void values_all(int64_t nq, const float* s, int64_t width, const T* vb, const in
 
 // s[0..m) <- exp(s - max s), zero up to the next multiple of 16; -> their sum (lanes fixed by the key index)
 inline float softmax_weights(float* s, int64_t m) {
+#ifdef HALVES  // the same operations on register halves (see halves())
+  v8 mlo = v8{} - INFINITY, mhi = mlo;
+  int64_t j = 0;
+  for (; j + 16 <= m; j += 16) {
+    v8 a, b;
+    halves(s + j, a, b);
+    mlo = a > mlo ? a : mlo;
+    mhi = b > mhi ? b : mhi;
+  }
+  float mx = -INFINITY;
+  for (int l = 0; l < 8; ++l) mx = mlo[l] > mx ? mlo[l] : mx;
+  for (int l = 0; l < 8; ++l) mx = mhi[l] > mx ? mhi[l] : mx;
+  for (; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
+  v8 tlo = {}, thi = {};
+  for (int64_t c = 0; c < m; c += 16) {
+    v8 a, b;
+    halves(s + c, a, b);
+    a = expv<v8, i8>(a - mx);
+    b = expv<v8, i8>(b - mx);
+    for (int64_t l = m - c; l < 16; ++l) {
+      if (l < 8)
+        a[l] = 0.0f;
+      else
+        b[l - 8] = 0.0f;
+    }
+    std::memcpy(s + c, &a, sizeof(a));
+    std::memcpy(s + c + 8, &b, sizeof(b));
+    tlo = tlo + a;
+    thi = thi + b;
+  }
+  return hsum8(tlo, thi);
+#else
   v16 mx16 = v16{} - INFINITY;  // the max in 16 lanes, then across them: the same value in any order (a scalar
   int64_t j = 0;                // chain of compares was a third of a verify step's attention)
   for (; j + 16 <= m; j += 16) {
@@ -208,12 +344,13 @@ inline float softmax_weights(float* s, int64_t m) {
   for (; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
   v16 total = {};
   for (int64_t c = 0; c < m; c += 16) {
-    v16 e = exp16(load(s + c) - mx);
+    v16 e = expv<v16, i16>(load(s + c) - mx);
     for (int64_t l = m - c; l < 16; ++l) e[l] = 0.0f;
     store(s + c, e);
     total = total + e;
   }
   return hsum(total);
+#endif
 }
 
 #if HAVE_AMX
