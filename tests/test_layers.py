@@ -90,3 +90,26 @@ def test_the_checker_sees_a_wrong_import(tmp_path):
     assert imports(bad) == [(2, "adaflash.server.app")]
     assert layer_of("adaflash.server.app") not in ALLOWED["core"]
     assert layer_of("adaflash.kernels.opd") == "kernels" and layer_of("adaflash.buffer.writer") == "core"
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_checkout_kernels_folder_does_not_shadow_an_installed_kernels_package(tmp_path, installed):
+    """transformers imports Hugging Face's top-level `kernels`; run from the checkout's root (as `python -m pytest`
+    is), `import kernels` must give that package where it is installed (transformers 5.25 imports it when it loads),
+    and where it is not, an empty package without a version (transformers up to 5.24 imports a package it finds no
+    metadata for, and would fail on an ImportError)."""
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    if installed:
+        (site / "kernels").mkdir(parents=True)
+        (site / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
+    code = (
+        f"import sys; sys.path.append({str(site)!r})\n"
+        "import kernels; print(getattr(kernels, 'WHO', 'empty'), getattr(kernels, '__version__', None))\n"
+        "import adaflash.kernels.cpu_build, os; print(os.path.dirname(adaflash.kernels.cpu_build.__file__))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == ("installed None" if installed else "empty None"), out
+    assert Path(out[1]) == ROOT / "kernels"
