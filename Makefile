@@ -72,7 +72,10 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
-test: install vllm browser
+# the two venvs install side by side: each pip run keeps about one core busy (3 and 2.5 minutes one after the
+# other on two cores, about 3.5 together)
+test:
+	$(MAKE) -j3 install vllm browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -v -ra --durations=15  # -v: a line per test, so a run cut short shows where it stopped

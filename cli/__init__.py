@@ -325,7 +325,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from adaflash.target import stock_hf_dir
 
         vllm_python(None)  # fails now, with what to run, when `make vllm` was not
-        vllm = {"target_dir": stock_hf_dir(args.target), "drafter": drafter, "work_dir": Path(args.out) / "vllm", "threads": threads}
+        vllm = {
+            "target_dir": stock_hf_dir(args.target),
+            "drafter": drafter,
+            "work_dir": Path(args.out) / "vllm",
+            "threads": threads,
+            "token_budget": args.token_budget,
+        }
         # a quantised target is ours only: vLLM runs the float model in that target's activation dtype (bfloat16)
         vllm["dtype"] = str(target.model.dtype).removeprefix("torch.")
     llamacpp = None

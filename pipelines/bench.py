@@ -301,7 +301,9 @@ def vllm_spec(method: str, drafter_dir: Path | None, k_blk: int) -> dict | None:
 
 def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPrompt]]], max_new: int, ctx: dict) -> dict:
     """Every `vllm*` method over all cells, each method in one process of vLLM's own Python.
-    ctx: {"target_dir", "drafter", "work_dir", "threads", "dtype"} -> {(method, domain, concurrency): row fields}."""
+    ctx: {"target_dir", "drafter", "work_dir", "threads", "dtype", "token_budget"} -> {(method, domain, concurrency):
+    row fields}. token_budget (default 512, the bench's) is vLLM's max_num_batched_tokens, as it bounds our engine's
+    steps; at least every sequence's whole verify block fits. vLLM's KV cache is sized to the cells (`vllm_kv_gb`)."""
     from adaflash.dflash_format import export_dflash, vllm_python
 
     work = Path(ctx["work_dir"])
@@ -312,21 +314,39 @@ def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPro
         if not (drafter_dir / "config.json").exists():
             export_dflash(ctx["drafter"], drafter_dir)
     python, script = vllm_python(ctx.get("python")), Path(__file__).with_name("vllm_peer.py")
-    env = {**os.environ, "OMP_NUM_THREADS": str(ctx["threads"]), "VLLM_CPU_KVCACHE_SPACE": "4"}
+    kv_gb = vllm_kv_gb(Path(ctx["target_dir"]), ctx.get("dtype", "float32"), cells, max_new, ctx["drafter"].block_size)
+    env = {**os.environ, "OMP_NUM_THREADS": str(ctx["threads"]), "VLLM_CPU_KVCACHE_SPACE": str(kv_gb)}
     out = {}
     for m in methods:
+        spec = vllm_spec(m, drafter_dir, ctx["drafter"].block_size)
+        verify = 1 + (spec["num_speculative_tokens"] if spec else 0)
         job = {
             "target": str(ctx["target_dir"]),
             "threads": ctx["threads"],
+            "max_batched_tokens": max(int(ctx.get("token_budget", 512)), verify * max(c for _, c, _ in cells)),
             "dtype": ctx.get("dtype", "float32"),
             "max_new": max_new,
-            "speculative": vllm_spec(m, drafter_dir, ctx["drafter"].block_size),
+            "speculative": spec,
             "cells": [{"key": f"{d}|{c}", "concurrency": c, "prompts": [p.ids for p in ps]} for d, c, ps in cells],
         }
         res = run_peer_script(python, script, job, work / m, env, f"vLLM peer {m}")
         for d, c, ps in cells:
             out[(m, d, c)] = peer_row(res, f"{d}|{c}", len(ps))
     return out
+
+
+def vllm_kv_gb(target_dir: Path, dtype: str, cells: list[tuple[str, int, list[BenchPrompt]]], max_new: int, k_blk: int) -> int:
+    """Whole GiB of KV cache vLLM-CPU needs for the cells (VLLM_CPU_KVCACHE_SPACE): every in-flight sequence at its
+    longest (prompt, answer, one block), or one 2048-token sequence, for the target and a drafter of up to half
+    its layers, plus a quarter. vLLM allocates and touches all of it at start-up: 4 GiB took 19 s on a 2-core AVX2
+    machine, 1 GiB under a second."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    per_token = 2 * cfg["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)  # K and V, bytes
+    longest = max(max(len(p.ids) for p in ps) for _, _, ps in cells) + max_new + k_blk
+    tokens = max(2048, max(c for _, c, _ in cells) * longest)
+    return max(1, -(-int(tokens * per_token * 1.5 * 1.25) // 2**30))
 
 
 def run_peer_script(python: Path, script: Path, job: dict, stem: Path, env: dict, what: str) -> dict:

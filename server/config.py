@@ -43,7 +43,7 @@ class ModelSection:
 @dataclass
 class EngineSection:
     max_batch: int = 16  # requests decoded together
-    token_budget: int = 512  # max verify tokens per engine step (also the longest prompt admitted)
+    token_budget: int = 512  # max verify tokens per engine step (also the longest prompt admitted; vLLM: max_num_batched_tokens)
     max_queued: int = 64  # requests waiting for a batch slot before new ones get 429
     max_model_len: int | None = None  # context limit (prompt + max_tokens); default and cap: the target's
     default_max_tokens: int = 256  # max_tokens when a request gives none (capped by the context left)

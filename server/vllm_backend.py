@@ -57,6 +57,7 @@ class VLLMServer(ChildServer):
         port: int,
         max_model_len: int,
         max_num_seqs: int,
+        token_budget: int,
         dtype: str,
         log_path: Path,
         kv_cache_gb: int = 2,
@@ -80,6 +81,11 @@ class VLLMServer(ChildServer):
             str(max_model_len),
             "--max-num-seqs",
             str(max_num_seqs),
+            # engine.token_budget bounds a step's tokens as it does in the built-in engine (each sequence's whole
+            # verify block fits); vLLM's default, 4096, also sizes its start-up profiling forward: 37 s of a 90-s
+            # start on one core of a 2-core AVX2 machine
+            "--max-num-batched-tokens",
+            str(max(token_budget, max_num_seqs * (1 + num_spec))),
             "--served-model-name",
             "target",
             "--disable-uvicorn-access-log",
@@ -250,6 +256,7 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
         port,
         max_len,
         e.max_batch,
+        e.token_budget,
         m.dtype,
         work / "vllm.log",
         v.kv_cache_gb,

@@ -117,20 +117,21 @@ def test_memory_is_flat_over_hot_swaps(smollm2_dir, tmp_path):
     rss, n = [], 0
     with running_server(cfg, target=target) as (url, state, _), ThreadPoolExecutor(4) as pool:
         engine = state.runner.engine
-        for k in range(7):  # warm-up, then 6 swaps alternating the two versions, 24 requests after each
+        for k in range(7):  # warm-up, then 6 swaps alternating the two versions, 16 requests after each
             if k:
                 with ThreadPoolExecutor(1) as loader:  # loaded on its own thread, as the hot-swapper does
                     drafter, head = loader.submit(load_drafter_and_head, versions[k % 2], target, torch.bfloat16).result()
                 engine.swap(drafter, head, version=str(k))
                 del drafter, head
-            assert set(pool.map(complete, range(n, n + 24))) <= {str(k), str(k - 1)}
-            n += 24
+            assert set(pool.map(complete, range(n, n + 16))) <= {str(k), str(k - 1)}
+            n += 16
             assert engine.idle
             time.sleep(0.2)  # the engine thread trims once it is idle
             rss.append(rss_mb())
     growth = rss[-1] - rss[1]
-    # 5 more swaps and 120 more requests after the first swap: +199 MB before the fixes (bf16 attention in oneDNN,
-    # uncapped kernel caches, no trim), +85 MB with the first and the trim, ~+20 MB with all three
+    # 5 more swaps after the first (measured with 24-request segments, 120 more requests): +199 MB before the fixes
+    # (bf16 attention in oneDNN, uncapped kernel caches, no trim), +85 MB with the first and the trim, ~+20 MB with all three
     # 2026-12-01: two fresh-clone CI runs measured +58 and +65 MB (~12 MB a segment), a local run +21 MB: bound 80
-    # until that difference is explained (it still catches the +199 MB of the unfixed creep)
+    # until that difference is explained (it still catches the +199 MB of the unfixed creep). Since 2026-12-03 the
+    # segments are 16 requests, not 24 (CI time on an AVX2-only machine, where bf16 is emulated: 101 s)
     assert growth < 80, f"RSS grew {growth:.0f} MB over 5 more swaps: {[round(x) for x in rss]}"
