@@ -57,7 +57,7 @@ inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
 // Without AVX-512, GCC keeps a 16-lane vector in memory and moves its halves through the stack and general
 // registers between operations (a store-forwarding stall each): one query's attention over 300 keys took 0.42 ms
 // a layer on an AVX2-only CPU, 6x PyTorch's. The hot loops there run on the two 8-lane halves in registers
-// (V8 = v8, native), with the same operations lane for lane, so the same bits.
+// (v8, native), with the same operations lane for lane, so the same bits.
 #if !defined(__AVX512F__)
 #define HALVES 1
 inline void halves(const float* p, v8& lo, v8& hi) {
@@ -181,42 +181,26 @@ inline void block_scores(const float* q, const K* base, int64_t base_slot, const
 
 // acc + w * v, one fused multiply-add (one rounding) where the CPU has them, else a multiply then an add:
 // the same instruction for every query and key of the value sums on a machine (written out, not left
-// to the compiler, which builds with -ffp-contract=off)
-inline v16 madd(float w, v16 v, v16 acc) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<v16>(_mm512_fmadd_ps(_mm512_set1_ps(w), reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(acc)));
-#elif defined(__FMA__)
-  // the two 8-lane halves through memcpy, which GCC keeps in registers: the shuffles this used to split and
-  // join them (a 16-lane vector from two 8-lane ones) were lowered lane by lane through the stack, and the
-  // value sums ran 10x slower on an AVX2-only CPU
-  __m256 vh[2], ah[2];
-  std::memcpy(vh, &v, sizeof(vh));
-  std::memcpy(ah, &acc, sizeof(ah));
-  const __m256 ws = _mm256_set1_ps(w);
-  ah[0] = _mm256_fmadd_ps(ws, vh[0], ah[0]);
-  ah[1] = _mm256_fmadd_ps(ws, vh[1], ah[1]);
-  v16 out;
-  std::memcpy(&out, ah, sizeof(out));
-  return out;
-#else
-  return acc + w * v;
-#endif
-}
-
-// For the G queries q0.. of an item: out_q [NV * 16] = (sum_c w_q[c] * v[slot c] over the context slots,
-// then over the query's block slots, in that order) / sum_q, with w_q = s + q * width (softmax weights)
-// and the block slots blk + q * n (len[q] of them). The G queries share each context V row as it is
-// read; every query's sums run in the same order whatever G is.
+// to the compiler, which builds with -ffp-contract=off). On 16 lanes with AVX-512 (which has them), on one
+// 8-lane half without (see halves()).
 #ifdef HALVES
-inline v8 madd8(float w, v8 v, v8 acc) {  // madd() on one half
+inline v8 madd8(float w, v8 v, v8 acc) {
 #if defined(__FMA__)
   return reinterpret_cast<v8>(_mm256_fmadd_ps(_mm256_set1_ps(w), reinterpret_cast<__m256>(v), reinterpret_cast<__m256>(acc)));
 #else
   return acc + w * v;
 #endif
 }
+#else
+inline v16 madd(float w, v16 v, v16 acc) {
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(_mm512_set1_ps(w), reinterpret_cast<__m512>(v), reinterpret_cast<__m512>(acc)));
+}
 #endif
 
+// For the G queries q0.. of an item: out_q [NV * 16] = (sum_c w_q[c] * v[slot c] over the context slots,
+// then over the query's block slots, in that order) / sum_q, with w_q = s + q * width (softmax weights)
+// and the block slots blk + q * n (len[q] of them). The G queries share each context V row as it is
+// read; every query's sums run in the same order whatever G is.
 template <int NV, int G, typename T>
 void weighted_values(int64_t q0, const float* s, int64_t width, const T* vb, const int32_t* cs, int64_t nc, const int32_t* blk,
                      int64_t n, const int64_t* len, int64_t d, const float* sums, float* op, const int64_t* qo) {
