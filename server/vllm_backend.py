@@ -36,7 +36,7 @@ import torch
 from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 
 from adaflash.buffer import Round
-from adaflash.dflash_format import vllm_python
+from adaflash.dflash_format import vllm_batched_tokens, vllm_python
 
 log = logging.getLogger("adaflash.server")
 
@@ -81,11 +81,8 @@ class VLLMServer(ChildServer):
             str(max_model_len),
             "--max-num-seqs",
             str(max_num_seqs),
-            # engine.token_budget bounds a step's tokens as it does in the built-in engine (each sequence's whole
-            # verify block fits); vLLM's default, 4096, also sizes its start-up profiling forward: 37 s of a 90-s
-            # start on one core of a 2-core AVX2 machine
             "--max-num-batched-tokens",
-            str(max(token_budget, max_num_seqs * (1 + num_spec))),
+            str(vllm_batched_tokens(token_budget, max_num_seqs, 1 + num_spec)),
             "--served-model-name",
             "target",
             "--disable-uvicorn-access-log",
