@@ -2,7 +2,8 @@
 
 A step's wall time is modelled as linear in what it does (seconds):
 
-    verification   (target.forward_packed)       t_T = a0 + a1 * R + a2 * g(N)      R requests, N tokens verified
+    verification   (target.forward_packed)       t_T = a0 + a1 * R + a2 * g(N) + a3 * QK
+                                                 R requests, N tokens verified, QK = sum_i n_i c_i / 1000
     drafting       (extend, draft, logits)       t_D = d0 + d1 * Rd + d2 * Rd * Ld + d3 * Cx
                                                  Rd requests drafted, blocks of Ld, Cx context tokens
 
@@ -16,7 +17,12 @@ therefore times whole forwards of one request over N new tokens at every N up to
 96 and at 112, 128, 160 and 192 (`time_rows`, ROWS_GRID; cleaned by `clean_rows`), and g(N) = S(N) -
 S(1) in seconds, a2 about 1. Without that measurement (a calibration cached before it, or points given
 by hand), g(N) = max(N - knee, 0) with the knee fitted on the calibration points (the candidate with
-the smallest relative residual; 0 gives a model linear in N). a1 is the per-request attention work. Cx: a request
+the smallest relative residual; 0 gives a model linear in N). a1 is the per-request work. QK is the
+attention's work: request i's n_i new tokens each score its c_i cached tokens (thousands of such
+query-key pairs; the pairs among the new tokens are in g, timed on one request). At 300 tokens of
+context on the 2-core AVX2 machine a 17-token block took 111 ms where the model without it said 69,
+and 8 requests of 2 tokens 105 where it said 74: the calibration, at 32 tokens of context, had priced
+every token as if contexts stayed short. It therefore also times a few batches at LONG_CONTEXT. Cx: a request
 that drafts first extends its drafter cache with the target features of every token it committed
 since it last drafted (`Engine._extend_context`), so one that skipped many steps costs more to draft
 (on this CPU the extension was 40-50% of drafting at concurrency 32). The cost-aware verify policy
@@ -43,6 +49,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+QK_UNIT = 1000.0  # the attention feature counts query-key pairs in thousands (coefficients of ms scale)
+
+
+def attention_pairs(queries, contexts) -> float:
+    """The verify-cost feature QK: new tokens per request x their cached tokens, summed, in thousands."""
+    return sum(n * c for n, c in zip(queries, contexts)) / QK_UNIT
 
 
 @dataclass
@@ -110,17 +123,17 @@ def solve_small(a: list[list[float]], b: list[float]) -> list[float]:
 KNEES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # candidate knees (tokens per step) of the verify cost
 
 
-def fit_knee(points: list[tuple[int, int, float]]) -> int:
-    """The knee of t = a0 + a1 R + a2 max(N - knee, 0) that fits (R, N, seconds) points best, by least
+def fit_knee(points: list[tuple[int, int, float, float]]) -> int:
+    """The knee of t = a0 + a1 R + a2 max(N - knee, 0) + a3 QK that fits (R, N, QK, seconds) points best, by least
     squares on relative errors; near-ties go to the smaller knee (the linear model, knee 0, when it fits)."""
     y = torch.tensor([t for *_, t in points], dtype=torch.float64)  # [n]
     w = 1.0 / y  # relative errors: a 50 ms and a 500 ms point count alike
     best, best_err = 0, float("inf")
     for k in KNEES:
-        x = torch.tensor([[1.0, r, max(n - k, 0)] for r, n, _ in points], dtype=torch.float64)  # [n, 3]
+        x = torch.tensor([[1.0, r, max(n - k, 0), qk] for r, n, qk, _ in points], dtype=torch.float64)  # [n, 4]
         if k and not bool((x[:, 2] > 0).any()):
             break  # no point beyond this knee: its slope is not measured
-        theta = torch.linalg.lstsq(x * w[:, None], y * w).solution  # [3]
+        theta = torch.linalg.lstsq(x * w[:, None], y * w, driver="gelsd").solution  # [4] (minimum norm: QK may be all 0)
         if float(theta[2]) <= 0:
             continue
         err = float((((x @ theta) - y) * w).square().sum())
@@ -130,9 +143,10 @@ def fit_knee(points: list[tuple[int, int, float]]) -> int:
 
 
 class StepCost:
-    """The two linear models; `verify(R, N)` and `draft(Rd, Ld)` in seconds (0 drafted = no pass).
-    drafter_points: (Rd, Ld, Cx, seconds), or (Rd, Ld, seconds) with no context extended; rows: [(N,
-    seconds)] of the linear layers at N token rows (`time_rows`), or None (the knee model)."""
+    """The two linear models; `verify(R, N, QK)` and `draft(Rd, Ld)` in seconds (0 drafted = no pass).
+    target_points: (R, N, QK, seconds), or (R, N, seconds) at no context; drafter_points: (Rd, Ld, Cx,
+    seconds), or (Rd, Ld, seconds) with no context extended; rows: [(N, seconds)] of whole forwards at N
+    token rows (`time_rows`), or None (the knee model)."""
 
     def __init__(
         self,
@@ -141,12 +155,16 @@ class StepCost:
         forget: float = 0.97,
         rows: list[tuple[int, float]] | None = None,
     ):
+        target_points = [tuple(p) if len(p) == 4 else (p[0], p[1], 0.0, p[2]) for p in target_points]
         drafter_points = [tuple(p) if len(p) == 4 else (p[0], p[1], 0, p[2]) for p in drafter_points]
-        self.points = {"target": list(target_points), "drafter": drafter_points, "rows": list(rows or [])}
-        self.knee = 0 if rows else fit_knee(self.points["target"])
+        self.points = {"target": target_points, "drafter": drafter_points, "rows": list(rows or [])}
+        self.knee = 0 if rows else fit_knee(target_points)
         self._g = rows_feature(rows).numpy() if rows else None  # [max N + 1] g(N) in seconds
         self._g_at = self.g(np.arange(len(self._g) if self._g is not None else 257)).tolist()  # g(0 ..) as floats
-        self.target = Linear(["1", "R", "N"], [self._x(r, n) for r, n, _ in target_points], [t for *_, t in target_points], forget)
+        # points all at no context (given by hand) leave QK out: live steps alone would set its coefficient
+        self._qk = any(qk for _, _, qk, _ in target_points)
+        tx = [self._x(r, n, qk) for r, n, qk, _ in target_points]
+        self.target = Linear(["1", "R", "N", "QK"][: 3 + self._qk], tx, [t for *_, t in target_points], forget)
         self.drafter = Linear(
             ["1", "Rd", "RdLd", "Cx"], [[1.0, r, r * ld, cx] for r, ld, cx, _ in drafter_points], [t for *_, t in drafter_points], forget
         )
@@ -160,19 +178,21 @@ class StepCost:
         slope = (self._g[top] - self._g[top // 2]) / (top - top // 2)  # seconds per row at the far end
         return self._g[np.minimum(n, top)] + slope * np.maximum(n - top, 0)
 
-    def _x(self, r: int, n: int) -> list[float]:
-        """Verify-cost features: 1, R, g(N) (read from a list: this runs several times a step)."""
+    def _x(self, r: int, n: int, qk: float = 0.0) -> list[float]:
+        """Verify-cost features: 1, R, g(N), QK (read from a list: this runs several times a step)."""
         g = self._g_at[n] if n < len(self._g_at) else float(self.g(np.array([n]))[0])
-        return [1.0, float(r), g]
+        return [1.0, float(r), g, qk] if self._qk else [1.0, float(r), g]
 
-    def verify(self, r: int, n: int) -> float:
-        return max(self.target(*self._x(r, n)), 1e-6)
+    def verify(self, r: int, n: int, qk: float = 0.0) -> float:
+        return max(self.target(*self._x(r, n, qk)), 1e-6)
 
-    def verify_curve(self, r: int, n: int, extra: int) -> np.ndarray:
-        """[extra + 1] seconds (float64) of verifying N = n .. n + extra tokens over r requests (non-decreasing)."""
+    def verify_curve(self, r: int, n: int, extra: int, context: float = 0.0) -> np.ndarray:
+        """[extra + 1] seconds (float64) of verifying N = n .. n + extra tokens over r requests (non-decreasing),
+        every token after `context` cached tokens (the requests' mean)."""
         g = self.g(np.arange(n, n + extra + 1))  # [extra + 1]
         a0, a1 = self.target.theta[0], self.target.theta[1]
-        return np.maximum(a0 + a1 * r + self.per_token * g, 1e-6)
+        qk = np.arange(n, n + extra + 1) * (self.per_pair * context / QK_UNIT)  # [extra + 1] seconds of attention
+        return np.maximum(a0 + a1 * r + self.per_token * g + qk, 1e-6)
 
     def draft(self, rd: int, ld: int, cx: int = 0) -> float:
         return max(self.drafter(1.0, rd, rd * ld, cx), 0.0) if rd else 0.0
@@ -184,6 +204,11 @@ class StepCost:
         return self.target.coef("N", 1e-6)
 
     @property
+    def per_pair(self) -> float:
+        """Seconds per thousand query-key pairs of attention (never below 0)."""
+        return self.target.coef("QK") if self._qk else 0.0
+
+    @property
     def per_drafted(self) -> tuple[float, float, float]:
         """(per pass, per drafted request, per drafted block row) seconds."""
         return self.drafter.coef("1"), self.drafter.coef("Rd"), self.drafter.coef("RdLd")
@@ -193,8 +218,8 @@ class StepCost:
         """Seconds per context token a drafting request extends its drafter cache with."""
         return self.drafter.coef("Cx")
 
-    def observe_verify(self, r: int, n: int, seconds: float) -> None:
-        self.target.observe(self._x(r, n), seconds)
+    def observe_verify(self, r: int, n: int, seconds: float, qk: float = 0.0) -> None:
+        self.target.observe(self._x(r, n, qk), seconds)
 
     def observe_draft(self, rd: int, ld: int, seconds: float, cx: int = 0) -> None:
         if rd:
@@ -204,7 +229,7 @@ class StepCost:
         """Every calibration point within `tol` of the fit and the marginal costs positive: a sweep that
         other processes disturbed fails this, and is then used but not cached."""
         ok = self.target.coef("N") > 0 and self.target.coef("R") > 0 and self.drafter.coef("RdLd") >= 0
-        fits = [(self.verify(r, n), t) for r, n, t in self.points["target"]]
+        fits = [(self.verify(r, n, qk), t) for r, n, qk, t in self.points["target"]]
         fits += [(self.draft(r, ld, cx), t) for r, ld, cx, t in self.points["drafter"]]
         if self.points["rows"]:  # at most a tenth of the row counts slowed by more than `tol` (against the floor: a
             # stretch slowed for a while lifts the isotonic fit with it, `clean_rows`)
@@ -256,6 +281,8 @@ def rows_feature(rows: list[tuple[int, float]]) -> torch.Tensor:
 ROWS_GRID = tuple(range(1, 41)) + tuple(range(44, 97, 4)) + (112, 128, 160, 192)  # token rows time_rows measures
 # (requests, tokens each), up to the batch sizes the engine serves (a fit only interpolates well)
 TARGET_GRID = ((1, 1), (1, 4), (1, 8), (1, 16), (1, 32), (4, 1), (4, 4), (8, 1), (8, 4), (8, 8), (16, 1), (32, 1), (32, 2))
+LONG_CONTEXT = 320  # tokens of context the attention points verify after (QK's coefficient is fitted between them and 32)
+LONG_GRID = ((1, 1), (1, 8), (1, 16), (4, 4), (8, 1), (8, 2), (8, 4))  # (requests, tokens each) at LONG_CONTEXT
 DRAFTER_GRID = ((1, 2), (1, 16), (4, 4), (8, 2), (8, 8), (32, 2), (32, 4))  # (requests drafted, block length)
 EXTEND_GRID = ((1, 4, 32), (8, 4, 8), (8, 4, 32), (32, 4, 4), (32, 4, 16))  # drafted after extending (tokens each)
 
@@ -295,27 +322,30 @@ def time_rows(target, reps: int = 3, grid: tuple[int, ...] = ROWS_GRID, context:
 
 @torch.no_grad()
 def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) -> StepCost:
-    """Time verification and drafting over TARGET_GRID / DRAFTER_GRID / EXTEND_GRID on dummy requests
-    with a `context`-token prompt each (one packed prefill, then every point verifies or extends and
-    rolls back), the fastest of `reps` sweeps over the whole grid per point (a burst of other work then
-    slows one sweep, not every repetition of one point), and the row staircase of whole forwards
-    (`time_rows`). 31 s for SmolLM2 on two threads of the 2-core AVX-512 machine."""
+    """Time verification over TARGET_GRID after a `context`-token prompt per request and over LONG_GRID after
+    LONG_CONTEXT tokens, and drafting over DRAFTER_GRID / EXTEND_GRID, on dummy requests (one packed prefill,
+    then every point verifies or extends and rolls back), the fastest of `reps` sweeps over the whole grid
+    per point (a burst of other work then slows one sweep, not every repetition of one point), and the row
+    staircase of whole forwards (`time_rows`). 31 s for SmolLM2 on two threads of the 2-core AVX-512
+    machine before the long-context points."""
     g = torch.Generator().manual_seed(seed)
     dev = target.lm_head.weight.device
     n_req = max(r for r, _ in TARGET_GRID + DRAFTER_GRID)
-    k_max = max(n for _, n in TARGET_GRID)
+    k_max = max(n for _, n in TARGET_GRID + LONG_GRID)
     x_max = max(x for *_, x in EXTEND_GRID)
     vocab = target.config.vocab_size
     caches = [target.new_cache(1, context + k_max + 1) for _ in range(n_req)]
     prompts = [torch.randint(0, vocab, (context,), generator=g).to(dev) for _ in range(n_req)]
     _, feats = target.forward_packed(prompts, caches, logits_last_only=True)  # feats: per request [context, n*H]
+    long = [target.new_cache(1, LONG_CONTEXT + k_max + 1) for _ in range(max(r for r, _ in LONG_GRID))]
+    target.forward_packed([torch.randint(0, vocab, (LONG_CONTEXT,), generator=g).to(dev) for _ in long], long, logits_last_only=True)
     dcaches = [drafter.new_cache(1, context + x_max + 1) for _ in range(n_req)]
     drafter.extend_many(feats, dcaches)
     extra = [f[:x_max] for f in feats]  # [x_max, n*H] each: features to extend with
 
-    def verify(r: int, n: int) -> None:
-        target.forward_packed([torch.randint(0, vocab, (n,), generator=g).to(dev) for _ in range(r)], caches[:r])
-        for c in caches[:r]:
+    def verify(r: int, n: int, pool: list) -> None:
+        target.forward_packed([torch.randint(0, vocab, (n,), generator=g).to(dev) for _ in range(r)], pool[:r])
+        for c in pool[:r]:
             c.crop(c.length - n)
 
     def draft(r: int, ld: int, x: int = 0) -> None:
@@ -326,16 +356,20 @@ def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) 
         for c in dcaches[:r] if x else ():
             c.crop(c.length - x)
 
-    verify(1, 1)  # warm-up: first calls allocate
+    verify(1, 1, caches)  # warm-up: first calls allocate
+    verify(1, 1, long)
     draft(1, 2)
+    points = [(r, n, context, caches) for r, n in TARGET_GRID] + [(r, n, LONG_CONTEXT, long) for r, n in LONG_GRID]
     blocks = [(r, min(ld, drafter.block_size), x) for r, ld, x in [(r, ld, 0) for r, ld in DRAFTER_GRID] + list(EXTEND_GRID)]
-    tbest, dbest = [float("inf")] * len(TARGET_GRID), [float("inf")] * len(blocks)
+    tbest, dbest = [float("inf")] * len(points), [float("inf")] * len(blocks)
     for _ in range(reps):
-        tbest = [min(b, _seconds(lambda: verify(r, n))) for b, (r, n) in zip(tbest, TARGET_GRID)]
+        tbest = [min(b, _seconds(lambda: verify(r, n, pool))) for b, (r, n, _, pool) in zip(tbest, points)]
         dbest = [min(b, _seconds(lambda: draft(r, ld, x))) for b, (r, ld, x) in zip(dbest, blocks)]
     rows = time_rows(target, reps)
     return StepCost(
-        [(r, r * n, t) for (r, n), t in zip(TARGET_GRID, tbest)], [(r, ld, r * x, t) for (r, ld, x), t in zip(blocks, dbest)], rows=rows
+        [(r, r * n, attention_pairs([n] * r, [c] * r), t) for (r, n, c, _), t in zip(points, tbest)],
+        [(r, ld, r * x, t) for (r, ld, x), t in zip(blocks, dbest)],
+        rows=rows,
     )
 
 
@@ -360,6 +394,7 @@ def machine_key(target, drafter) -> dict:
         "torch": torch.__version__,
         "attention": "kv-pool",  # the engine's attention (ragged over one KV pool since issue 21): its step costs differ
         "rows": "forward",  # calibrations since the row staircase (time_rows) is timed on whole forwards
+        "context": LONG_CONTEXT,  # calibrations since verification is also timed at long contexts (the QK feature)
         "kernels": signature(),  # the C++ kernels' sources and flags: other kernels, other step costs
         "target": fingerprint(target),
         "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),

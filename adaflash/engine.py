@@ -53,6 +53,7 @@ from typing import Callable
 import torch
 
 from adaflash.buffer import Round, Trajectory
+from adaflash.cost import attention_pairs
 from adaflash.drafter import Drafter
 from adaflash.kvcache import KVCache, KVPool
 from adaflash.spec import build_tree, graft, greedy, lookup_chain, pick, propose, tree_mask, verify, walk_tree
@@ -175,8 +176,9 @@ class VerifyPolicy(ABC):
         (plain decoding for that step). `others`: (requests, tokens) the step verifies besides them."""
         return [True] * len(states)
 
-    def observe_timing(self, verify: tuple[int, int, float], draft: tuple[int, int, float, int] | None) -> None:
-        """A step's timings: verify = (requests, tokens, seconds) of the target pass; draft = (requests,
+    def observe_timing(self, verify: tuple[int, int, float, float], draft: tuple[int, int, float, int] | None) -> None:
+        """A step's timings: verify = (requests, tokens, seconds, QK) of the target pass, QK its attention's
+        thousands of new-token x cached-token pairs (adaflash.cost.attention_pairs); draft = (requests,
         block length, seconds, context tokens extended) of the chain drafting pass (extending the
         drafter caches, draft_many, lengths), None without one."""
 
@@ -520,7 +522,9 @@ class Engine:
         )  # fmt: skip
         tokens = sum(p.verify_len for p in plans)
         if self.policy.timed:
-            self.policy.observe_timing((len(fresh) + len(plans), prompts + tokens, self._clock() - t0), drafted)
+            secs = self._clock() - t0
+            qk = attention_pairs([p.verify_len for p in plans], [p.st.tcache.length - p.verify_len for p in plans])  # prompts: none cached
+            self.policy.observe_timing((len(fresh) + len(plans), prompts + tokens, secs, qk), drafted)
         for p, lg, ft in zip(fresh, logits, feats):
             self._first_token(p.st, lg, ft)
         logits, feats = logits[len(fresh) :], feats[len(fresh) :]

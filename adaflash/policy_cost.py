@@ -4,7 +4,7 @@ Per step the policy picks, for every request, the verify length L (tokens incl. 
 decoding) that maximises the batch's expected committed tokens per second:
 
     E = sum_i (1 + sum_{j < L_i} c_ij),   c_ij = prod_{m <= j} p_im     expected tokens committed
-    T = t_T(R, sum_i L_i) + t_D(drafted requests, block length)         adaflash.cost.StepCost
+    T = t_T(R, sum_i L_i, context) + t_D(drafted requests, block length)       adaflash.cost.StepCost
 
 p_ij = P(position j accepted | positions < j accepted). c_ij falls with j, so for any number n of drafts
 verified the best are the n largest c_ij, prefixes of the blocks: one scan over the drafts by falling
@@ -57,6 +57,12 @@ BLOCK_NAMES = PRIOR_NAMES + ("confidence",)  # after drafting
 def _logit(p) -> np.ndarray:
     p = np.minimum(np.maximum(_np(p), EPS), 1 - EPS)  # not np.clip: its wrapper costs more than the math here
     return np.log(p / (1 - p))
+
+
+def mean_context(states) -> float:
+    """The tokens each request's verification attends to before its new ones (its prompt and output but the
+    anchor), averaged: the step-cost model prices every verified token's attention at it."""
+    return sum(len(s.req.prompt_ids) + len(s.out) - 1 for s in states) / max(len(states), 1)
 
 
 def confidence(logits: torch.Tensor) -> np.ndarray:
@@ -489,7 +495,7 @@ class CostPolicy(VerifyPolicy):
             return list(draft)
         xp = prior_features(self.running.rate(ids), self.k_blk - 1)  # [R, K-1, 3]
         cum = np.cumprod(self.prior.predict(xp), -1)  # [R, K-1]
-        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size))  # [R*(K-1) + 1]
+        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, mean_context(states)))  # [R*(K-1) + 1]
         self._secs = secs  # `lengths` reads its prefix: the models do not change before the step is timed
         pending = np.array([float(s.context_tokens) for s in states])  # [R] tokens to extend
         # extending a request's drafter cache is paid once for all its later drafted steps (a new request's whole
@@ -596,7 +602,7 @@ class CostPolicy(VerifyPolicy):
         xp = prior_features(self.running_chain.rate(ids), n_pos)  # [R, J, 3]
         cum = self.chain.predict(xp).cumprod(-1) * (np.arange(n_pos)[None] < np.array(chains)[:, None])  # [R, J]
         n_req = len(states) + others
-        lens, _ = choose_lengths(cum, self.cost.verify_curve(n_req, n_req, cum.size), n_req)
+        lens, _ = choose_lengths(cum, self.cost.verify_curve(n_req, n_req, cum.size, mean_context(states)), n_req)
         out = []
         for i, n, x, c in zip(ids, (lens - 1).tolist(), xp, chains):  # x [J, 3]
             refused = self.chain_refused.get(i, 0)
@@ -630,7 +636,7 @@ class CostPolicy(VerifyPolicy):
         spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
         secs = self._secs  # [>= R*J + 1]
         if secs is None or secs.size <= cum.size:
-            secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size))
+            secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, mean_context(states)))
         lens = choose_lengths(cum, secs[: cum.size + 1] + spent, n_req)[0]  # [R]
         if self.forced:
             lens = np.where([i in self.forced for i in ids], np.maximum(lens, 2), lens)
@@ -654,8 +660,8 @@ class CostPolicy(VerifyPolicy):
     def observe_timing(self, verify, draft):
         """Refit the step-cost model on the step just run, after noting what it predicted drafting adds
         (for observe_step)."""
-        r, n, _ = verify
-        plain = self.cost.verify(r, n)  # the verification as run: its own model is refitted on every step
+        r, n, _, qk = verify
+        plain = self.cost.verify(r, n, qk)  # the verification as run: its own model is refitted on every step
         excess = self.cost.draft(draft[0], draft[1], draft[3]) if draft else 0.0
         self._excess = (plain, excess)
         self.cost.observe_verify(*verify)

@@ -4,8 +4,9 @@
 
 Times `TargetModel.forward_packed` (SmolLM2 float32, random token ids, the best of 5 sweeps) for layouts of
 new tokens per request: one request verifying 1-17 tokens, and 8 requests with extra tokens on some of them,
-each request after CONTEXT tokens of context. Prints each beside `StepCost.verify(R, N)` from the cached (or a
-fresh) calibration (adaflash/cost.py), which is measured at 32 tokens of context: the model has no context term.
+each request after CONTEXT tokens of context. Prints each beside `StepCost.verify(R, N, QK)` from the cached (or a
+fresh) calibration (adaflash/cost.py), timed at 32 and LONG_CONTEXT tokens of context, with and without its
+attention term QK (the model before 2026-12-03 had none).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from adaflash.cost import load_or_calibrate
+from adaflash.cost import attention_pairs, load_or_calibrate
 from adaflash.drafter import DEFAULT_DRAFTER, load_drafter
 from adaflash.target import load_target
 
@@ -59,9 +60,11 @@ def main() -> None:
     for _ in range(5):
         for k, lay in LAYOUTS.items():
             best[k] = min(best[k], run(lay))
-    print(f"| layout | requests | tokens | measured ms (context {ctx}) | model ms |\n|---|---|---|---|---|")
+    print(f"| layout | requests | tokens | measured ms (context {ctx}) | model ms | its attention term ms |\n|---|---|---|---|---|---|")
     for k, lay in LAYOUTS.items():
-        print(f"| {k} | {len(lay)} | {sum(lay)} | {best[k] * 1e3:.1f} | {cost.verify(len(lay), sum(lay)) * 1e3:.1f} |")
+        qk = attention_pairs(lay, [ctx] * len(lay))
+        model = cost.verify(len(lay), sum(lay), qk)
+        print(f"| {k} | {len(lay)} | {sum(lay)} | {best[k] * 1e3:.1f} | {model * 1e3:.1f} | {cost.per_pair * qk * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

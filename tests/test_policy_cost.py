@@ -11,7 +11,19 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 
-from adaflash.cost import TARGET_GRID, Linear, StepCost, calibrate, fit_knee, load_or_calibrate, rows_feature, solve_small
+from adaflash.cost import (
+    LONG_CONTEXT,
+    LONG_GRID,
+    TARGET_GRID,
+    Linear,
+    StepCost,
+    attention_pairs,
+    calibrate,
+    fit_knee,
+    load_or_calibrate,
+    rows_feature,
+    solve_small,
+)
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
 from adaflash.policy_cost import (
     AcceptanceModel,
@@ -51,10 +63,29 @@ def test_knee_is_fitted_and_priced():
     flat below it, and a linear machine keeps knee 0 (its fit is unchanged)."""
     pts = [(r, r * n, 0.05 + 0.002 * r + 0.004 * max(r * n - 6, 0)) for r, n in TARGET_GRID]
     c = StepCost(pts, linear_cost().points["drafter"])
-    assert fit_knee(pts) == 6 and c.knee == 6 and c.per_token == pytest.approx(0.004)
+    assert fit_knee([(r, n, 0.0, t) for r, n, t in pts]) == 6 and c.knee == 6 and c.per_token == pytest.approx(0.004)
     curve = c.verify_curve(1, 1, 15)  # [16]: N = 1 .. 16
     assert curve[:6].tolist() == pytest.approx([0.052] * 6) and float(curve[-1]) == pytest.approx(0.052 + 0.004 * 10)
     assert linear_cost().knee == 0 and float(linear_cost().verify_curve(2, 2, 3)[-1]) == pytest.approx(linear_cost().verify(2, 5))
+
+
+def test_attention_is_priced_by_context():
+    """Verification that also costs 8 ms per thousand new-token x cached-token pairs (what a 17-token block
+    at 300 tokens of context showed on the AVX2 machine): calibration points at two contexts recover that
+    coefficient, the verify curve prices each token at the requests' context, and the same acceptance
+    then verifies fewer tokens after a long context than after a short one."""
+    a = (0.05, 0.002, 0.004, 0.008)
+    pts = [(r, r * n, attention_pairs([n] * r, [c] * r)) for c, grid in ((32, TARGET_GRID), (LONG_CONTEXT, LONG_GRID)) for r, n in grid]
+    c = StepCost([(r, n, qk, a[0] + a[1] * r + a[2] * n + a[3] * qk) for r, n, qk in pts], linear_cost().points["drafter"])
+    assert c.per_pair == pytest.approx(0.008) and c.per_token == pytest.approx(0.004)
+    short, long = c.verify_curve(1, 1, 15, context=32), c.verify_curve(1, 1, 15, context=1000)  # [16] each: N = 1 .. 16
+    assert float(long[-1] - long[0]) == pytest.approx(15 * (0.004 + 0.008))
+    assert float(short[-1] - short[0]) == pytest.approx(15 * (0.004 + 0.008 * 0.032))
+    assert float(long[3]) == pytest.approx(c.verify(1, 4, attention_pairs([4], [1000])))
+    cum = torch.full((1, 15), 0.8).cumprod(-1)  # P(position j accepted) = 0.8 each
+    n_short = int(choose_lengths(cum, short, 1)[0][0])
+    n_long = int(choose_lengths(cum, long, 1)[0][0])
+    assert n_long < n_short
 
 
 def test_linear_clips_outliers():
@@ -127,7 +158,10 @@ def test_calibration_is_cached_per_machine(tmp_path, monkeypatch):
     target = tiny_target()
     drafter = tiny_drafter(target)
     real = calibrate(target, drafter, reps=1)  # the real sweep on tiny models: every point timed
-    assert len(real.points["target"]) == len(TARGET_GRID) and all(t > 0 for *_, t in real.points["target"] + real.points["drafter"])
+    assert len(real.points["target"]) == len(TARGET_GRID) + len(LONG_GRID) and all(
+        t > 0 for *_, t in real.points["target"] + real.points["drafter"]
+    )
+    assert {qk for r, n, qk, _ in real.points["target"] if (r, n) == (1, 1)} == {0.032, LONG_CONTEXT / 1000}  # both contexts timed
     assert any(cx > 0 for _, _, cx, _ in real.points["drafter"]) and real.points["rows"][-1][0] >= 128 and real.knee == 0
     calls, result = [], [linear_cost()]
     monkeypatch.setattr("adaflash.cost.calibrate", lambda *a, **k: calls.append(1) or result[0])
@@ -314,6 +348,27 @@ def test_cost_policy_is_lossless():
     states = Engine(target, drafter, policy, eos_ids=[5], max_batch=3, token_budget=40).run(reqs)
     assert [s.out for s in states] == [p.out for p in plain]
     assert any(rd.verify_len > 1 for s in states for rd in s.rounds)
+
+
+def test_the_engine_reports_each_steps_attention_pairs():
+    """observe_timing's QK is what the verification attended: each request's verified tokens x the tokens its
+    cache held before them (prompt and output but the anchor; a prefill none)."""
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    seen = []
+
+    class Spy(CostPolicy):
+        def observe_timing(self, verify, draft):
+            seen.append(verify)
+            super().observe_timing(verify, draft)
+
+    policy = Spy(linear_cost(**CHEAP), drafter.block_size)
+    states = Engine(target, drafter, policy, eos_ids=[], max_batch=1).run([Request("a", list(range(1, 21)), max_new_tokens=12)])
+    (st,) = states
+    assert seen[0][3] == 0.0 and len(seen) == 1 + len(st.rounds) > 2  # the prefill step, then a round a step
+    for (r, n, _, qk), rd in zip(seen[1:], st.rounds):  # a round's anchor: the tokens cached before it
+        assert (r, n) == (1, rd.verify_len) and qk == pytest.approx(rd.verify_len * rd.anchor / 1000)
+    assert st.rounds[0].anchor == 20
 
 
 def test_useless_drafter_falls_back_to_plain_decoding():
@@ -631,10 +686,10 @@ def test_the_overrun_factor_prices_the_drafting_pass_not_the_verification():
     policy = CostPolicy(staircase_cost(), 16)
     for _ in range(60):
         plain_s = policy.cost.verify(32, 32)
-        policy.observe_timing((32, 32, plain_s), None)  # a plain step, as predicted: pins o = 0
+        policy.observe_timing((32, 32, plain_s, 0.0), None)  # a plain step, as predicted: pins o = 0
         policy.observe_step(plain_s)
         verify_s, draft_s = policy.cost.verify(32, 128), policy.cost.draft(32, 4, 128)
-        policy.observe_timing((32, 128, verify_s), (32, 4, draft_s, 128))  # (requests, tokens, s), (drafted, block, s, context)
+        policy.observe_timing((32, 128, verify_s, 0.0), (32, 4, draft_s, 128))  # (requests, tokens, s, QK), (drafted, block, s, context)
         policy.observe_step(verify_s + 2 * draft_s)  # as much again around the drafting pass
     assert policy.overrun.o == pytest.approx(0.0, abs=1e-6) and policy.overrun.k == pytest.approx(2.0, rel=0.1)
     secs = policy.cost.verify_curve(32, 32, 15)
