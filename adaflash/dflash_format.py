@@ -29,6 +29,7 @@ export read back is the same drafter, bit for bit.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -213,3 +214,17 @@ def vllm_batched_tokens(token_budget: int, max_seqs: int, verify: int) -> int:
     """vLLM's --max-num-batched-tokens for our per-step token budget: the same bound on a step's tokens as in
     the built-in engine, raised so that `max_seqs` sequences each verifying `verify` tokens fit in one step."""
     return max(token_budget, max_seqs * verify)
+
+
+def vllm_cpu_env(threads: int | None, kv_cache_gb: int) -> dict[str, str]:
+    """vLLM-CPU's environment for `threads` OpenMP threads (default: every core this process may use) and a KV
+    cache of `kv_cache_gb` GiB (vLLM touches all of it at start-up). The threads are bound to that many of our
+    cores (VLLM_CPU_OMP_THREADS_BIND): left on `auto`, vLLM keeps a core per worker for its scheduler process and
+    binds the worker to the rest, which on a 2-core machine put both threads on one core."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    n = min(threads or len(cpus), len(cpus))
+    return {
+        "OMP_NUM_THREADS": str(n),
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[:n])),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+    }

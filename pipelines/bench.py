@@ -304,7 +304,7 @@ def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPro
     ctx: {"target_dir", "drafter", "work_dir", "threads", "dtype", "token_budget"} -> {(method, domain, concurrency):
     row fields}. token_budget (default 512, the bench's) is vLLM's max_num_batched_tokens, as it bounds our engine's
     steps; at least every sequence's whole verify block fits. vLLM's KV cache is sized to the cells (`vllm_kv_gb`)."""
-    from adaflash.dflash_format import export_dflash, vllm_batched_tokens, vllm_python
+    from adaflash.dflash_format import export_dflash, vllm_batched_tokens, vllm_cpu_env, vllm_python
 
     work = Path(ctx["work_dir"])
     work.mkdir(parents=True, exist_ok=True)
@@ -315,7 +315,7 @@ def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPro
             export_dflash(ctx["drafter"], drafter_dir)
     python, script = vllm_python(ctx.get("python")), Path(__file__).with_name("vllm_peer.py")
     kv_gb = vllm_kv_gb(Path(ctx["target_dir"]), ctx.get("dtype", "float32"), cells, max_new, ctx["drafter"].block_size)
-    env = {**os.environ, "OMP_NUM_THREADS": str(ctx["threads"]), "VLLM_CPU_KVCACHE_SPACE": str(kv_gb)}
+    env = {**os.environ, **vllm_cpu_env(ctx["threads"], kv_gb)}
     out = {}
     for m in methods:
         spec = vllm_spec(m, drafter_dir, ctx["drafter"].block_size)

@@ -36,7 +36,7 @@ import torch
 from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 
 from adaflash.buffer import Round
-from adaflash.dflash_format import vllm_batched_tokens, vllm_python
+from adaflash.dflash_format import vllm_batched_tokens, vllm_cpu_env, vllm_python
 
 log = logging.getLogger("adaflash.server")
 
@@ -104,10 +104,9 @@ class VLLMServer(ChildServer):
         env = dict(
             os.environ,
             VLLM_SERVER_DEV_MODE="1",
-            VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),
             PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
+            **vllm_cpu_env(threads, kv_cache_gb),  # vLLM-CPU uses 1 thread unless told
         )
-        env["OMP_NUM_THREADS"] = str(threads or os.cpu_count() or 1)  # vLLM-CPU uses 1 thread unless told
         super().__init__(cmd + list(extra_args or []), env, port, log_path)
 
     def rpc(self, method: str, *args: str, timeout: float = 300.0) -> list:
