@@ -47,6 +47,19 @@ def test_pool_growth_keeps_contents_and_rebinds_live_caches():
         a.select_rows(torch.tensor([0]))
 
 
+def test_pool_capacity_grows_geometrically_for_rising_request_lengths(monkeypatch):
+    """Requests each a little longer than the last: every resize copies all rows, so the capacity grows by
+    at least half each time (a handful of copies), not to each new length (one copy per request)."""
+    pool = KVPool(2, 1, 4, torch.float32, "cpu")
+    resizes = []
+    real = pool._resize
+    monkeypatch.setattr(pool, "_resize", lambda rows, cap: (real(rows, cap), resizes.append(pool.capacity)))
+    caches = [pool.take(100 + 10 * i) for i in range(64)]  # 100 .. 730 tokens
+    capacities = sorted(set(resizes))  # the rows doubling (1 .. 64) resizes too, at the capacity it has
+    assert pool.capacity >= 730 and len(capacities) <= 5, capacities  # to each length: 128, 192, .., 768 (11)
+    assert all(c.capacity == pool.capacity for c in caches)
+
+
 @pytest.mark.parametrize(
     "prompt_lens,new_lens,call",
     [
