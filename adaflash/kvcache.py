@@ -153,8 +153,9 @@ class KVPool:
     row returns to the pool when the cache is garbage-collected (the engine drops a finished request's
     caches). The pool grows by doubling its rows, and its capacity to the longest request asked for
     and at least x1.5 (rounded up), copying live rows once and rebinding their caches: growing to each
-    longer prompt exactly copied every row once per new longest prompt (at 96 rows of ~1,000 tokens of
-    SmolLM2 float32 K/V, 4.4 GiB, that stalled a step for 3-5 s, several times a bench cell).
+    longer prompt exactly made one such copy per new longest prompt, and at concurrency 32 on a 2-core VM
+    each stalled its step 1.5-4.5 s (SmolLM2 float32, 32 rows of 320-512 tokens, nearly all of it in
+    `torch.zeros`: the same allocation took 0.18 s in a process of its own).
     An empty pool frees its tensors, so an idle server holds no K/V. Memory is rows x the longest
     capacity: one long request makes every row that long (a paged store would not; not needed yet).
     """
