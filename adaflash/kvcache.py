@@ -191,9 +191,8 @@ class KVPool:
     def take(self, capacity: int) -> KVCache:
         """A new empty batch-1 cache of at least `capacity` tokens on the lowest free row."""
         with self.lock:
-            if capacity > self.capacity or not self.free:  # x1.5 at least: requests of rising lengths copy all rows rarely
-                cap = max(capacity, self.capacity * 3 // 2) if capacity > self.capacity else self.capacity
-                self._resize(self.rows if self.free else max(1, 2 * self.rows), cap)
+            if capacity > self.capacity or not self.free:
+                self._resize(self.rows if self.free else max(1, 2 * self.rows), self._grown(capacity))
             slot = heapq.heappop(self.free)
             self.valid[slot] = False
             self.next_pos[slot] = 0
@@ -208,7 +207,12 @@ class KVPool:
         """Make every row hold at least `capacity` tokens (a cache outgrew its request's estimate)."""
         with self.lock:
             if capacity > self.capacity:
-                self._resize(self.rows, max(capacity, self.capacity * 3 // 2))
+                self._resize(self.rows, self._grown(capacity))
+
+    def _grown(self, capacity: int) -> int:
+        """The capacity to resize to for a cache of `capacity` tokens: unchanged if it fits, else at least x1.5
+        (every resize copies all rows, so requests of rising lengths pay for few of them)."""
+        return self.capacity if capacity <= self.capacity else max(capacity, self.capacity * 3 // 2)
 
     def _release(self, slot: int) -> None:
         with self.lock:

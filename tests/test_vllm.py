@@ -48,11 +48,16 @@ def gsm8k(target):
 
 
 @pytest.fixture(scope="module")
-def stock_dflash(target, gsm8k, tmp_path_factory):
+def drafter(target):
+    """The committed drafter on the float32 target (read-only: `_perturbed` loads its own copy to change)."""
+    return load_drafter(DEFAULT_DRAFTER, target.model, target.identity, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def stock_dflash(drafter, gsm8k, tmp_path_factory):
     """The bench's vLLM peer path (`adaflash bench --methods vllm-dflash`) on the GSM8K prompts, started in a thread
     as the module starts (the served fixture asks for it first): its vLLM starts and decodes while the served
     fixture's vLLM starts, instead of one after the other (two vLLM start-ups, about 3.5 minutes of CI)."""
-    drafter = load_drafter(DEFAULT_DRAFTER, target.model, target.identity, torch.float32)
     prompts = [BenchPrompt("gsm8k", p) for p in gsm8k]
     ctx = {"target_dir": stock_hf_dir("smollm2"), "drafter": drafter, "work_dir": tmp_path_factory.mktemp("vllm-peer"), "threads": 2}
     with ThreadPoolExecutor(1) as pool:
@@ -208,7 +213,7 @@ def test_a_version_for_another_target_is_refused_and_serving_goes_on(served, tar
     reg.set_champion("1")
 
 
-def test_rows_from_vllm_replay_to_the_same_acceptance(served, target):
+def test_rows_from_vllm_replay_to_the_same_acceptance(served, target, drafter):
     """The trainer's view of vLLM rows: teacher-forced drafting at each recorded anchor (the served
     drafter over prompt + output) accepts what vLLM accepted in that step (greedy)."""
     from adaflash.trainer.data import make_batch, supervise, to_sequences
@@ -235,7 +240,6 @@ def test_rows_from_vllm_replay_to_the_same_acceptance(served, target):
     while len(rows := [t for b in ShardReader(tmp / "buffer").poll() for t in b.trajectories() if t.request_id in ids]) < 3:
         assert time.monotonic() < deadline, "trajectory rows were not flushed"
         time.sleep(0.5)
-    drafter = load_drafter(DEFAULT_DRAFTER, target.model, target.identity, torch.float32)
     k = drafter.block_size
     by_id = {r.request_id: r for r in rows}
     seqs = to_sequences(rows)
@@ -256,12 +260,11 @@ def test_rows_from_vllm_replay_to_the_same_acceptance(served, target):
     assert total >= 20 and same >= 0.9 * total
 
 
-def test_stock_vllm_runs_the_export_losslessly_with_the_same_acceptance(target, gsm8k, stock_dflash):
+def test_stock_vllm_runs_the_export_losslessly_with_the_same_acceptance(target, gsm8k, drafter, stock_dflash):
     """Through the bench's vLLM peer path (`adaflash bench --methods vllm-dflash`): stock vLLM from its venv,
     closed loop over the prompts. Its reference is AdaFlash's engine on the same prompts, whose greedy output is
     the target's plain greedy decoding (tests/test_generate.py, tests/test_smollm2.py); vLLM's own plain decoding,
     run beside it until 2026-12-03, gave the same tokens and cost a minute of CI."""
-    drafter = load_drafter(DEFAULT_DRAFTER, target.model, target.identity, torch.float32)
     dflash = stock_dflash.result()[("vllm-dflash", "gsm8k", len(gsm8k))]
     # AdaFlash's own engine, same drafter, same prompts, whole-block verification, no prompt lookup
     states = Engine(target.model, drafter, FixedPolicy(), target.eos_ids, max_batch=8).run(
