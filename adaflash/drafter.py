@@ -143,10 +143,11 @@ class Drafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def new_pool(self) -> KVPool:
-        """An empty KV pool for this drafter's batch-1 caches (an engine keeps one per drafter version)."""
+    def new_pool(self, rows: int = 0) -> KVPool:
+        """An empty KV pool for this drafter's batch-1 caches (an engine keeps one per drafter version, for `rows`
+        requests at once)."""
         c, w = self.config, self.fc.weight
-        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, w.dtype, w.device)
+        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, w.dtype, w.device, rows)
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         """batch 1: a row of this drafter's shared KV pool (what `draft_many` batches over); else a padded batch cache."""

@@ -80,11 +80,11 @@ class DrafterSlot:
     version: str = "0"
     pool: KVPool | None = field(default=None, repr=False)  # its requests' drafter caches, made on first use
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, rows: int = 0) -> KVCache:
         """A drafter cache on this slot's own pool: one pool per engine and drafter version, so a
         step's rows stay packed at the pool's front (other engines on the same model use their own)."""
         if self.pool is None:
-            self.pool = self.drafter.new_pool()
+            self.pool = self.drafter.new_pool(rows)
         return self.pool.take(capacity)
 
 
@@ -326,7 +326,7 @@ class Engine:
         self.lookup, self.lookup_min, self.tree = lookup, lookup_min, tree
         self.target, self.policy = target, policy
         self.slot = DrafterSlot(drafter, head, version)
-        self.pool = target.new_pool()  # the target caches of this engine's requests
+        self.pool = target.new_pool(max_batch)  # the target caches of this engine's requests
         self._lock = threading.Lock()
         self._pending: DrafterSlot | None = None
         self._cancel: set[str] = set()
@@ -427,7 +427,7 @@ class Engine:
                 req,
                 self.slot,
                 self.pool.take(cap),
-                self.slot.new_cache(cap) if self.policy.drafts else None,
+                self.slot.new_cache(cap, self.max_batch) if self.policy.drafts else None,
                 torch.Generator(device=dev).manual_seed(req.seed),
                 t_start=time.perf_counter(),
             )

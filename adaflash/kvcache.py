@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 import weakref
 
 import torch
@@ -152,28 +153,42 @@ class KVPool:
     `take` hands out the lowest free row (so the live rows stay packed at the front), and a cache's
     row returns to the pool when the cache is garbage-collected (the engine drops a finished request's
     caches). The pool grows by doubling its rows, and its capacity to the longest request asked for
-    and at least x1.5 (rounded up), copying live rows once and rebinding their caches: growing to each
-    longer prompt exactly made one such copy per new longest prompt, and at concurrency 32 on a 2-core VM
-    each stalled its step 1.5-4.5 s (SmolLM2 float32, 32 rows of 320-512 tokens, nearly all of it in
-    `torch.zeros`: the same allocation took 0.18 s in a process of its own).
-    An empty pool frees its tensors, so an idle server holds no K/V. Memory is rows x the longest
-    capacity: one long request makes every row that long (a paged store would not; not needed yet).
+    and at least x1.5 (rounded up), copying live rows once and rebinding their caches.
+    An empty pool frees its tensors, so an idle server holds no K/V.
+
+    A pool read only by the C++ kernel (`lazy`: CPU, the kernel built, a dtype and head dim it takes) is
+    allocated uninitialised: the kernel reads a row's valid slots and nothing else, so no slot needs zeros,
+    and the operating system backs a page with memory when it is first written. Zero-filling made every
+    resize touch all of the new tensors at once: at concurrency 32 (SmolLM2 float32, 32 rows of 256-320
+    tokens, ~470 MB) one resize stalled a step 0.6-0.9 s on a 2-core VM (92k page faults at ~7 us each;
+    1.5-4.5 s in busier runs). So a lazy pool takes its `rows` (an engine's max batch) at once, which costs
+    nothing until written, grows its capacity x2, and a resize copies only what live caches wrote. The
+    PyTorch attention path reads padding slots too (masked, but 0 x NaN is NaN): before it reads a lazy
+    pool, `settle` zeroes every slot no live cache holds, and the pool allocates zeros from then on.
+    Memory is rows x the longest capacity: one long request makes every row that long (a paged store
+    would not; not needed yet).
     """
 
     ROUND = 64  # capacity granularity (tokens)
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str, rows: int = 0):
+        """rows: how many requests are expected at once (an engine's max batch): a lazy pool's first allocation."""
         self.shape = (n_layers, n_kv_heads, head_dim)
         self.dtype, self.device = kv_dtype(dtype, device, head_dim), torch.device(device)
         if self.device.type == "cpu":
             attention_cpu.load()  # built (once per machine) now, not in the first request's step
+        self.lazy = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and head_dim in attention_cpu.HEAD_DIMS
+        self.lazy = self.lazy and attention_cpu.available()
+        self.min_rows = max(rows, 1) if self.lazy else 1
+        self.resizes, self.resize_s, self.resize_max_s = 0, 0.0, 0.0  # what resizing cost (the bench reports it)
         self.lock = threading.RLock()
         self._resizing = False
         self._alloc(0, 0)
 
     def _alloc(self, rows: int, capacity: int) -> None:
         n_layers, hkv, d = self.shape
-        z = lambda: torch.zeros(rows, hkv, capacity, d, dtype=self.dtype, device=self.device)  # noqa: E731
+        new = torch.empty if self.lazy else torch.zeros
+        z = lambda: new(rows, hkv, capacity, d, dtype=self.dtype, device=self.device)  # noqa: E731
         self.k, self.v = [z() for _ in range(n_layers)], [z() for _ in range(n_layers)]  # per layer [rows, Hkv, C, D]
         self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)  # [rows, C]
         self.next_pos = torch.zeros(rows, dtype=torch.long, device=self.device)  # [rows]
@@ -192,7 +207,7 @@ class KVPool:
         """A new empty batch-1 cache of at least `capacity` tokens on the lowest free row."""
         with self.lock:
             if capacity > self.capacity or not self.free:
-                self._resize(self.rows if self.free else max(1, 2 * self.rows), self._grown(capacity))
+                self._resize(self.rows if self.free else max(self.min_rows, 2 * self.rows), self._grown(capacity))
             slot = heapq.heappop(self.free)
             self.valid[slot] = False
             self.next_pos[slot] = 0
@@ -211,8 +226,26 @@ class KVPool:
 
     def _grown(self, capacity: int) -> int:
         """The capacity to resize to for a cache of `capacity` tokens: unchanged if it fits, else at least x1.5
-        (every resize copies all rows, so requests of rising lengths pay for few of them)."""
-        return self.capacity if capacity <= self.capacity else max(capacity, self.capacity * 3 // 2)
+        (x2 for a lazy pool, whose unwritten slots cost no memory): every resize copies the live rows, so
+        requests of rising lengths pay for few of them."""
+        if capacity <= self.capacity:
+            return self.capacity
+        return max(capacity, self.capacity * 2 if self.lazy else self.capacity * 3 // 2)
+
+    def settle(self) -> None:
+        """Zero every slot no live cache holds and allocate zeros from now on (see the class docstring):
+        a lazy pool is about to be read by PyTorch's attention, which reads padding slots too."""
+        with self.lock:
+            if not self.lazy:
+                return
+            self.lazy = False
+            held = torch.zeros(self.rows, self.capacity, dtype=torch.bool)  # [rows, C]: slots live caches wrote
+            for slot, ref in self.live.items():
+                cache = ref()
+                if cache is not None:
+                    held[slot, : cache.length] = True
+            for t in self.k + self.v:  # [rows, Hkv, C, D]
+                t.masked_fill_(~held.to(t.device)[:, None, :, None], 0)
 
     def _release(self, slot: int) -> None:
         with self.lock:
@@ -223,13 +256,16 @@ class KVPool:
                 self._alloc(0, 0)
 
     def _resize(self, rows: int, capacity: int) -> None:
+        t0 = time.perf_counter()
         capacity = -(-capacity // self.ROUND) * self.ROUND
         old_k, old_v, old_valid, old_pos, live = self.k, self.v, self.valid, self.next_pos, self.live
-        r0, c0 = old_valid.shape
+        r0, c0 = rk, ck = old_valid.shape
+        if self.lazy:  # copy what live caches wrote: unwritten slots of the new tensors stay untouched
+            rk, ck = max(live, default=-1) + 1, max((c.length for ref in live.values() if (c := ref()) is not None), default=0)
         self._resizing = True  # a cache collected meanwhile only frees its row
         self._alloc(rows, capacity)
         for new, old in zip(self.k + self.v, old_k + old_v):
-            new[:r0, :, :c0] = old
+            new[:rk, :, :ck] = old[:rk, :, :ck]
         self.valid[:r0, :c0] = old_valid
         self.next_pos[:r0] = old_pos
         self.live = live
@@ -240,6 +276,8 @@ class KVPool:
             if cache is not None:
                 self._bind(cache)
         self._resizing = False
+        took = time.perf_counter() - t0
+        self.resizes, self.resize_s, self.resize_max_s = self.resizes + 1, self.resize_s + took, max(self.resize_max_s, took)
 
     def _bind(self, cache: KVCache) -> None:
         s = cache.slot
@@ -312,6 +350,8 @@ class Ragged:
         self.tok_slot, self.tok_pos, self.tok_col = packed_slots(caches, starts, lens)
         trees = trees or [None] * len(lens)
         self.kernel = invariant_kernel(pool.device, pool.dtype, pool.shape[2])
+        if not self.kernel:  # PyTorch's attention reads padding slots: they must hold numbers
+            pool.settle()
         if self.kernel:  # one row-invariant kernel call per layer: what each request's queries see, no masks
             firsts = [0, *itertools.accumulate(lens)][:-1]
             offs = [0, *itertools.accumulate(n * n if t is not None else 0 for n, t in zip(lens, trees))][:-1]

@@ -125,10 +125,10 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_pool(self) -> KVPool:
-        """An empty KV pool for this model's batch-1 caches (an engine keeps its own)."""
+    def new_pool(self, rows: int = 0) -> KVPool:
+        """An empty KV pool for this model's batch-1 caches (an engine keeps its own, for `rows` requests at once)."""
         c = self.config
-        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.lm_head.weight.device)
+        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.lm_head.weight.device, rows)
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         """batch 1: a row of this model's shared KV pool (what `forward_packed` batches over); else a padded batch cache."""

@@ -222,8 +222,12 @@ def engine_row(engine: Engine, states: list, wall: float, k_blk: int, steady: tu
             if r.pred == r.pred:  # a head prediction was made
                 pred_rate.append(r.pred)
                 true_rate.append(min(1.0, (r.accepted + 1) / k_blk))
+    pools = [p for p in (engine.pool, engine.slot.pool) if p is not None]  # the target's and the drafter's K/V
     return {
         "tokens_per_s": tokens / wall,
+        "kv_resizes": sum(p.resizes for p in pools),
+        "kv_resize_s": sum(p.resize_s for p in pools),
+        "kv_resize_max_s": max(p.resize_max_s for p in pools),
         "steady_tokens_per_s": steady[0] / steady[1] if steady[1] > 0 else None,
         "steady_s": steady[1],
         "tau": (tokens - len(states)) / max(1, rounds),

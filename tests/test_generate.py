@@ -38,7 +38,7 @@ class OracleDrafter:
     class Cache:
         length = 0
 
-    def new_pool(self):  # the engine's drafter pool: `take` hands out a position counter
+    def new_pool(self, rows=0):  # the engine's drafter pool: `take` hands out a position counter
         return self
 
     def take(self, capacity):

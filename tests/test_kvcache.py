@@ -60,6 +60,46 @@ def test_pool_capacity_grows_geometrically_for_rising_request_lengths(monkeypatc
     assert all(c.capacity == pool.capacity for c in caches)
 
 
+def test_lazy_pool_is_read_only_where_written_and_settles_before_pytorch_attention(monkeypatch):
+    """A pool the C++ kernel reads is allocated uninitialised (`torch.empty`: pages are faulted in as they are
+    written, not all at once in a resize), takes the engine's max batch of rows at once and grows its capacity
+    x2. Poisoned with NaN wherever no cache wrote, the kernel's forward still matches plain caches; before
+    PyTorch's attention (which reads padding slots too) reads it, `settle` zeroes those slots."""
+    from adaflash.kernels import attention_cpu
+
+    if not attention_cpu.available():
+        pytest.skip("the C++ attention kernel did not build here")
+    model = tiny_target(4, head_dim=32)
+    pool = model.new_pool(rows=6)
+    caches = [pool.take(8) for _ in range(3)]
+    refs = [plain_cache(model, 160) for _ in caches]
+    assert pool.lazy and pool.rows == 6 and pool.capacity == 64  # no doubling from one row
+
+    def poison():  # what uninitialised memory may hold, wherever no live cache wrote
+        for t in pool.k + pool.v:
+            t[3:] = float("nan")
+            for c in caches:
+                t[c.slot, :, c.length :] = float("nan")
+
+    def step(lens):  # one forward of new tokens on the pool against the same on plain caches
+        new = [torch.randint(0, 64, (n,)) for n in lens]
+        logits, feats = model.forward_packed(new, caches)
+        for t, ref, lg, ft in zip(new, refs, logits, feats):
+            ref_logits, ref_feats = model(t[None], ref)
+            torch.testing.assert_close(lg, ref_logits[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ft, ref_feats[0], atol=1e-4, rtol=1e-4)
+
+    poison()
+    step((5, 7, 3))
+    caches[1].reserve(100)  # 64 -> 128 (x2, not to the 112 asked for), copying what the caches wrote
+    assert pool.capacity == 128 and all(c.k[0].data_ptr() == pool.k[0][c.slot].data_ptr() for c in caches)
+    poison()
+    step((2, 9, 1))
+    monkeypatch.setenv("ADAFLASH_ATTENTION", "torch")  # PyTorch's attention from here on
+    step((4, 1, 2))
+    assert not pool.lazy and not any(t.isnan().any() for t in pool.k + pool.v)
+
+
 @pytest.mark.parametrize(
     "prompt_lens,new_lens,call",
     [
