@@ -20,7 +20,7 @@ token outside the subset just cannot be drafted. Training computes those rows on
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -322,6 +322,30 @@ class Drafter(nn.Module):
             save_file({"ids": self.vocab.cpu().contiguous()}, str(out_dir / DRAFT_VOCAB), metadata={"format": "pt"})
         (out_dir / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
         return out_dir
+
+
+@torch.no_grad()
+def deepen(drafter: Drafter, target: TargetModel, num_layers: int) -> Drafter:
+    """A deeper copy of `drafter`: its layers, then new ones that start as copies of its last layer with the
+    attention and MLP output projections zeroed, so each passes the residual stream through unchanged and
+    the copy drafts exactly what `drafter` does until training moves them (how a deeper drafter continues a
+    trained one: `drafter.num_layers` above the init drafter's in a pretrain config)."""
+    c = drafter.config
+    if num_layers < c.num_layers:
+        raise ValueError(f"a drafter of {c.num_layers} layers cannot be deepened to {num_layers}")
+    state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    last = f"layers.{c.num_layers - 1}."
+    for i in range(c.num_layers, num_layers):
+        for k, v in [(k, v) for k, v in state.items() if k.startswith(last)]:
+            zero = k.endswith(("o_proj.weight", "down_proj.weight"))
+            state[f"layers.{i}." + k.removeprefix(last)] = torch.zeros_like(v) if zero else v.clone()
+    dtype = drafter.fc.weight.dtype
+    out = Drafter(replace(c, num_layers=num_layers), target)
+    out.load_state_dict(state)
+    out = out.to(dtype).train(drafter.training).requires_grad_(drafter.fc.weight.requires_grad)
+    out.attach(target, dtype)
+    out.set_vocab(drafter.vocab)
+    return out
 
 
 def load_drafter_config(path: Path) -> DrafterConfig:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from adaflash.pipelines.gate import install_drafter
 
-from adaflash.drafter import CONFIG, DRAFT_VOCAB, Drafter, DrafterConfig, load_drafter
+from adaflash.drafter import CONFIG, DRAFT_VOCAB, Drafter, DrafterConfig, deepen, load_drafter
 from adaflash.target import Target
 
 if TYPE_CHECKING:
@@ -29,7 +29,8 @@ START = "start.json"  # beside the run's copy of its init drafter: what drafter.
 class DrafterSection:
     init: str = "random"  # "random"; "target-last": the target's last layers (init_from_target); a drafter
     #                       directory or "registry:<version|alias>": continue training that drafter
-    num_layers: int | None = None  # None: the init drafter's, else 3 (a value that differs from the init drafter's is refused)
+    num_layers: int | None = None  # None: the init drafter's, else 3; above the init drafter's: it is deepened
+    #                                (`drafter.deepen`: new layers start as the identity), below it is refused
     block_size: int | None = None  # None: the init drafter's, else 16
     qk_norm: bool | None = None  # per-head q/k RMSNorm (Qwen3 style; match the target's for target-last); None: the init's, else true
     draft_vocab: str | None = None  # a drafter directory whose draft vocabulary a new drafter drafts from
@@ -133,12 +134,14 @@ def start_drafter(cfg: "PretrainConfig", target: Target, run_dir: Path) -> Draft
             f"drafter.init {dc.init} cannot continue on target {cfg.target.source}: {e}. Continue from a drafter trained "
             "for this target, or start a new one (drafter.init: random)"
         ) from e
+    if dc.num_layers is not None and dc.num_layers > drafter.config.num_layers:
+        drafter = deepen(drafter, target.model, dc.num_layers)
     for key in ("num_layers", "block_size", "qk_norm"):
         want, have = getattr(dc, key), getattr(drafter.config, key)
         if want is not None and want != have:
             raise ValueError(
                 f"drafter.{key} is {want} but the init drafter {dc.init} has {have}: the architecture comes from the "
-                f"init drafter; remove drafter.{key} (or start a new drafter with drafter.init: random)"
+                f"init drafter (only num_layers may grow); remove drafter.{key} (or start a new drafter with drafter.init: random)"
             )
     drafter.attach(target.model)  # the target's own frozen head and embedding (bf16 when training under autocast), as a new drafter
     return drafter.train().requires_grad_(True)

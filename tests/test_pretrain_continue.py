@@ -16,7 +16,7 @@ from adaflash.pipelines.pretrain import PretrainConfig, run_stages
 from safetensors.torch import load_file
 
 from adaflash.config import ConfigError, from_dict
-from adaflash.drafter import Drafter, DrafterConfig
+from adaflash.drafter import Drafter, DrafterConfig, load_drafter
 from adaflash.target import load_target
 
 
@@ -115,6 +115,24 @@ def test_continue_from_a_drafter_directory(tmp_path, tiny_hf_dir, target):
         run_stages(cfg, ["train"])
 
 
+def test_a_deeper_drafter_continues_one_and_drafts_the_same_until_trained(tmp_path, tiny_hf_dir, target):
+    """drafter.num_layers above the init drafter's deepens it: its layers, then identity layers (output
+    projections zeroed), so the deeper drafter's blocks equal the init's before any step; it trains."""
+    init = drafter_dir(target, tmp_path / "init-drafter", vocab=torch.arange(0, 49152, 5))
+    deep = start_drafter(continue_config(tmp_path, str(tiny_hf_dir), str(init), max_steps=1, num_layers=3), target, tmp_path / "run")
+    shallow = load_drafter(init, target.model, target.identity, torch.float32)
+    assert deep.config.num_layers == 3 and torch.equal(deep.vocab, shallow.vocab) and deep.training
+    assert deep.layers[2].self_attn.o_proj.weight.requires_grad and not deep.layers[2].mlp.down_proj.weight.any()
+    seq = torch.randint(0, 64, (1, 9))
+    feats = target.model(seq, target.model.new_cache(1, 16))[1]  # [1, 9, n*H]
+    blocks = []
+    for d in (shallow, deep.eval()):
+        cache = d.new_cache(1, 16)
+        d.extend_context(feats[:, :-1], cache)
+        blocks.append(d.draft(cache, seq[:, -1])[1])
+    torch.testing.assert_close(blocks[1], blocks[0], atol=1e-5, rtol=1e-5)
+
+
 def test_an_init_drafter_that_does_not_fit_is_refused(tmp_path, tiny_hf_dir, target):
     with pytest.raises(ConfigError, match="init must be 'random', 'target-last', a drafter directory or 'registry:"):
         from_dict(PretrainConfig, {"drafter": {"init": str(tmp_path / "nothing")}})
@@ -124,9 +142,13 @@ def test_an_init_drafter_that_does_not_fit_is_refused(tmp_path, tiny_hf_dir, tar
     with pytest.raises(ConfigError, match="keeps its draft vocabulary; remove drafter.draft_vocab"):
         from_dict(PretrainConfig, {"drafter": {"init": str(init), "draft_vocab": str(init)}})
 
-    cfg = continue_config(tmp_path / "a", str(tiny_hf_dir), str(init), max_steps=1, num_layers=2)
-    with pytest.raises(ValueError, match="drafter.num_layers is 2 but the init drafter .* has 1: the architecture comes from"):
+    cfg = continue_config(tmp_path / "a", str(tiny_hf_dir), str(init), max_steps=1, block_size=8)
+    with pytest.raises(ValueError, match="drafter.block_size is 8 but the init drafter .* has 4: the architecture comes from"):
         start_drafter(cfg, target, tmp_path / "a" / "run")
+    deep = drafter_dir(target, tmp_path / "deep", num_layers=2)
+    cfg = continue_config(tmp_path / "d", str(tiny_hf_dir), str(deep), max_steps=1, num_layers=1)
+    with pytest.raises(ValueError, match="drafter.num_layers is 1 but the init drafter .* has 2: .*only num_layers may grow"):
+        start_drafter(cfg, target, tmp_path / "d" / "run")
     cfg = continue_config(tmp_path / "b", str(tiny_hf_dir), str(init), max_steps=1, num_layers=1, block_size=4)
     assert start_drafter(cfg, target, tmp_path / "b" / "run").config.num_layers == 1  # the same values are fine
 
