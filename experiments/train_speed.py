@@ -75,17 +75,31 @@ def sequences(rows: list[dict], k_blk: int) -> tuple[list, list]:
 class Arm:
     """One (recipe, vocab) arm: its DeepSpeed engine, data and step."""
 
-    def __init__(self, recipe: str, vocab: str, target, drafter_dir: str, lr: float, data: tuple[list, list]):
+    def __init__(
+        self,
+        recipe: str,
+        vocab: str,
+        target,
+        drafter_dir: str,
+        lr: float,
+        data: tuple[list, list],
+        layers: int | None = None,
+        autocast: bool | None = None,
+    ):
+        """layers: deepen the loaded drafter to this many layers (`drafter.deepen`); autocast: the pretraining
+        recipe's bf16 autocast (None: its default)."""
         import deepspeed
         from adaflash.trainer.config import OnlineConfig
         from adaflash.trainer.online import OnlineModel, ds_config
 
-        from adaflash.drafter import load_drafter_and_head
+        from adaflash.drafter import deepen, load_drafter_and_head
         from adaflash.length_head import LengthHead, LengthHeadConfig
 
         self.recipe, self.vocab_mode, self.target = recipe, vocab, target
         self.train, self.held = data
         drafter, head = load_drafter_and_head(drafter_dir, target, torch.float32)
+        if layers is not None:
+            drafter = deepen(drafter, target.model, layers)
         drafter.attach(target.model)  # share the target's head as the recipe does (bf16 target for pretraining)
         drafter.requires_grad_(True)
         if recipe == "online":
@@ -99,7 +113,8 @@ class Arm:
         else:
             from adaflash.pipelines.pretrain import TrainSection
 
-            self.t = from_dict(TrainSection, {"lr": lr, "vocab": vocab})  # pretraining's defaults: 4 x 24, bf16 autocast
+            over = {} if autocast is None else {"autocast_bf16": autocast}
+            self.t = from_dict(TrainSection, {"lr": lr, "vocab": vocab, **over})  # pretraining's defaults: 4 x 24, bf16 autocast
             self.loss = LossSection(kind="ce", gamma=self.t.gamma, vocab=vocab)
             self.engine, _, _, _ = deepspeed.initialize(
                 model=drafter, model_parameters=drafter.parameters(), config=deepspeed_config(self.t)
