@@ -32,21 +32,25 @@ def kv_dtype(dtype: torch.dtype, device: torch.device | str | None, head_dim: in
     cpu = device is None or torch.device(device).type == "cpu"
     if not cpu or dtype not in (torch.bfloat16, torch.float16):
         return dtype
-    kernel = dtype == torch.bfloat16 and head_dim in attention_cpu.HEAD_DIMS and attention_cpu.available()
+    kernel = dtype == torch.bfloat16 and kernel_takes(device or "cpu", dtype, head_dim)
     return torch.bfloat16 if kernel else torch.float32
 
 
-def invariant_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether attention over K/V of this device, storage dtype and head dim runs the row-invariant C++
-    kernel (kernels/attention_cpu.py): CPU inference over float32 or bfloat16 K/V with head dims of 32, 64
-    or 128, where the kernel built; else PyTorch's attention (training with autograd, GPUs, no compiler)."""
+def kernel_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the row-invariant C++ kernel (kernels/attention_cpu.py) can attend over K/V of this device,
+    storage dtype and head dim: float32 or bfloat16 on a CPU, head dims of 32, 64 or 128, where it built."""
     return (
         torch.device(device).type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and head_dim in attention_cpu.HEAD_DIMS
-        and not torch.is_grad_enabled()
         and attention_cpu.available()
     )
+
+
+def invariant_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over such K/V runs the kernel now: where it takes them, for inference; else
+    PyTorch's attention (training with autograd, GPUs, no compiler)."""
+    return not torch.is_grad_enabled() and kernel_takes(device, dtype, head_dim)
 
 
 NO_TREES = torch.zeros(0, dtype=torch.bool)
@@ -177,8 +181,7 @@ class KVPool:
         self.dtype, self.device = kv_dtype(dtype, device, head_dim), torch.device(device)
         if self.device.type == "cpu":
             attention_cpu.load()  # built (once per machine) now, not in the first request's step
-        self.lazy = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and head_dim in attention_cpu.HEAD_DIMS
-        self.lazy = self.lazy and attention_cpu.available()
+        self.lazy = kernel_takes(self.device, self.dtype, head_dim)  # decided once: a pool is made with autograd on
         self.min_rows = max(rows, 1) if self.lazy else 1
         self.resizes, self.resize_s, self.resize_max_s = 0, 0.0, 0.0  # what resizing cost (the bench reports it)
         self.lock = threading.RLock()
@@ -239,13 +242,14 @@ class KVPool:
             if not self.lazy:
                 return
             self.lazy = False
-            held = torch.zeros(self.rows, self.capacity, dtype=torch.bool)  # [rows, C]: slots live caches wrote
+            held = torch.zeros(self.rows, self.capacity, dtype=torch.bool, device=self.device)  # [rows, C]: slots live caches wrote
             for slot, ref in self.live.items():
                 cache = ref()
                 if cache is not None:
                     held[slot, : cache.length] = True
+            unwritten = ~held[:, None, :, None]  # [rows, 1, C, 1]
             for t in self.k + self.v:  # [rows, Hkv, C, D]
-                t.masked_fill_(~held.to(t.device)[:, None, :, None], 0)
+                t.masked_fill_(unwritten, 0)
 
     def _release(self, slot: int) -> None:
         with self.lock:
@@ -350,8 +354,6 @@ class Ragged:
         self.tok_slot, self.tok_pos, self.tok_col = packed_slots(caches, starts, lens)
         trees = trees or [None] * len(lens)
         self.kernel = invariant_kernel(pool.device, pool.dtype, pool.shape[2])
-        if not self.kernel:  # PyTorch's attention reads padding slots: they must hold numbers
-            pool.settle()
         if self.kernel:  # one row-invariant kernel call per layer: what each request's queries see, no masks
             firsts = [0, *itertools.accumulate(lens)][:-1]
             offs = [0, *itertools.accumulate(n * n if t is not None else 0 for n, t in zip(lens, trees))][:-1]
@@ -361,6 +363,7 @@ class Ragged:
             self.tree_bits = torch.cat(flat) if flat else NO_TREES
             self.ctx = attention_cpu.context_slots(pool.valid, self.req)
             return
+        pool.settle()  # PyTorch's attention reads padding slots too: they must hold numbers
         p = self.hi - self.lo
         self.head = head = self._split(p)
         lens_t, starts_t, rows_t = (torch.tensor(x, device=dev) for x in (lens, starts, self.rows))

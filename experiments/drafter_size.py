@@ -24,10 +24,9 @@ import statistics
 import time
 from pathlib import Path
 
+from adaflash.drafter import DEFAULT_DRAFTER
 from adaflash.engine import Request
 from adaflash.target import bf16_is_fast, load_target
-
-DEFAULT_DRAFTER = "models/drafter-smollm2"
 
 
 def cost_part(target, drafter_dir: str, layers: list[int], method: str, cells: list[tuple[int, int]], max_new: int) -> dict:
@@ -102,7 +101,7 @@ def report(res: dict) -> str:
     lines[0] += " | " + " | ".join(f"{n} vs {layers[0]}" for n in layers[1:]) + " | same outputs |"
     lines.append("|---" * (4 + 2 * len(layers) - 1) + "|")
     for cell, c in res["cost"].items():
-        tps = [c["tokens_per_s"][str(n)] for n in layers]  # keys are strings after JSON
+        tps = [c["tokens_per_s"][n] for n in layers]
         ratios = " | ".join(f"{t / tps[0]:.3f}x" for t in tps[1:])
         same = "yes" if c["same_outputs"] and c["same_rounds"] else "NO"
         speeds = " | ".join(f"{t:.1f}" for t in tps)
@@ -119,7 +118,7 @@ def report(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/drafter-size"), help="folder for results.json, report.md (and answers.json)")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="the drafter every depth starts from")
+    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="the drafter every depth starts from")
     p.add_argument("--layers", default="3,4,5", help="comma-separated depths, the drafter's own first")
     p.add_argument("--method", default="fixed4", help="the bench engine method every depth runs (a fixed verify length keeps rounds equal)")
     p.add_argument("--cells", default="1:4,32:32", help="concurrency:requests pairs of the cost part")
@@ -141,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         res["tau"] = tau_part(args.drafter, layers, args.steps, args.lr, args.per_domain, args.out)
     res["wall_s"] = time.perf_counter() - t0
-    (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
-    text = report(json.loads(json.dumps(res, default=str)))
+    (args.out / "results.json").write_text(json.dumps(res, indent=1))
+    text = report(res)
     (args.out / "report.md").write_text(text)
     print(text)
     return 0
