@@ -185,6 +185,10 @@ class VerifyPolicy(ABC):
     def observe_step(self, seconds: float) -> None:
         """The whole step's wall time (selection, drafting, verification, commits), after observe_timing."""
 
+    def prompts(self, requests: int, tokens: int) -> None:
+        """Before `lookup_lengths` and `select`, every step: the step also prefills these prompts (requests,
+        tokens), which ride in its target forward whatever the policy chooses."""
+
     def lookup_lengths(self, states: list[RequestState], chains: list[int], others: int = 0) -> list[int]:
         """Before drafting: how many tokens of each request's prompt-lookup chain (`chains`: their
         lengths) to verify; 0 = none this step (the request may draft instead). `others`: requests of
@@ -547,6 +551,8 @@ class Engine:
     def _select(self, plans: list[_Plan]) -> None:
         """The policy sizes prompt-lookup chains (a request whose chain it refuses may draft instead) and
         may keep drafting requests from drafting this step: they verify their anchor alone."""
+        fresh = [p for p in plans if p.kind == "prefill"]
+        self.policy.prompts(len(fresh), sum(p.verify_len for p in fresh))
         looks = [p for p in plans if p.kind == "lookup"]
         if looks:
             keep = self.policy.lookup_lengths([p.st for p in looks], [len(p.chain) for p in looks], len(plans) - len(looks))

@@ -26,7 +26,8 @@ labels are free, accepted positions 1, the first rejected 0, later ones unobserv
   probability over the draft vocabulary) and picks the verify lengths; the drafting cost is spent by
   then. (The length head's block prediction added nothing on held-out rounds where the confidence is
   known: `adaflash policy-eval`, docs/benchmarks.md.)
-The step-cost model (adaflash.cost) prices the two passes; what they leave out (the step's other
+A prompt prefilled in the step is sunk: the choice maximises the rate of the step's decoding part
+(`CostPolicy._decoding`). The step-cost model (adaflash.cost) prices the two passes; what they leave out (the step's other
 work, everything else drafting brings) is learnt from whole steps (`Overrun`): each step's wall time
 against what the model predicted without and with its drafts.
 Greedy output is the target's whatever the lengths: the policy only decides how much is verified.
@@ -452,7 +453,9 @@ class CostPolicy(VerifyPolicy):
         self.steps = 0  # `select` calls: probes fall on every PROBE_SYNC-th
         self.forced: set[str] = set()
         self._batch: tuple[int, int] | None = None  # this step's (requests, tokens) with every drafting request at its anchor
-        self._secs: np.ndarray | None = None  # this step's priced verify curve, from `select`
+        self._secs: np.ndarray | None = None  # this step's priced verify curve (its decoding part), from `select`
+        self._fixed = 0  # tokens that step commits anyway (one per decoding request)
+        self._prompts = (0, 0)  # (requests, tokens) prefilled in this step (`prompts`)
         self._block = block_size
         self.overrun = Overrun()
         self.explore = 0.0  # seconds the next probes may cost (EXPLORE of every step's, saved up)
@@ -470,7 +473,7 @@ class CostPolicy(VerifyPolicy):
         # (`lengths`), so only whether to draft and the block length lag by up to three steps. The plan
         # is most of the policy's time at low concurrency: about 0.4 ms of a c=1 step, most of it
         # refilling caches the target forward emptied
-        self._last: tuple[list[str], tuple[int, int], list[bool], int, np.ndarray] | None = None  # secs: its priced verify curve
+        self._last: tuple | None = None  # (ids, others, prompts), which drafted, block, priced verify curve, fixed gain, step seconds
 
     @classmethod
     def for_models(cls, target, drafter) -> "CostPolicy":
@@ -485,9 +488,10 @@ class CostPolicy(VerifyPolicy):
         self.steps += 1
         n_req, n_tok = len(states) + others[0], len(states) + others[1]
         self._batch = (n_req, n_tok)
-        if self.steps % PROBE_SYNC and self._last is not None and self._last[:2] == (ids, others):  # see `_last`
-            _, _, draft, self._block, self._secs = self._last
-            self._save_explore(float(self._secs[0]))
+        key = (ids, others, self._prompts)
+        if self.steps % PROBE_SYNC and self._last is not None and self._last[0] == key:  # see `_last`
+            _, draft, self._block, self._secs, self._fixed, step_s = self._last
+            self._save_explore(step_s)
             self.forced = set()
             for i, d in zip(ids, draft):
                 self._after_plan(i, d)
@@ -496,7 +500,9 @@ class CostPolicy(VerifyPolicy):
         xp = prior_features(self.running.rate(ids), self.k_blk - 1)  # [R, K-1, 3]
         cum = np.cumprod(self.prior.predict(xp), -1)  # [R, K-1]
         secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, mean_context(states)))  # [R*(K-1) + 1]
-        self._secs = secs  # `lengths` reads its prefix: the models do not change before the step is timed
+        step_s = float(secs[0])
+        secs, fixed = self._decoding(secs, n_req, n_tok, mean_context(states))
+        self._secs, self._fixed = secs, fixed  # `lengths` reads them: the models do not change before the step is timed
         pending = np.array([float(s.context_tokens) for s in states])  # [R] tokens to extend
         # extending a request's drafter cache is paid once for all its later drafted steps (a new request's whole
         # prompt): charged whole to one step it made a request that had not drafted for a while (or at all)
@@ -506,11 +512,11 @@ class CostPolicy(VerifyPolicy):
         k = self.overrun.k
         draft_s, extend_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
         extra_s = extend_s / horizon  # [R]
-        self._save_explore(float(secs[0]))
+        self._save_explore(step_s)
         force = self._probes(ids, extend_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0])  # paid whole
-        plan = plan_drafts(cum, secs, n_req, draft_s, force, extra_s)
+        plan = plan_drafts(cum, secs, fixed, draft_s, force, extra_s)
         self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
-        self._last = None if force.any() else (ids, others, plan.draft.tolist(), self._block, secs)  # a probe is one step
+        self._last = None if force.any() else (key, plan.draft.tolist(), self._block, secs, fixed, step_s)  # a probe is one step
         self._score_probes(ids, plan.draft.tolist(), force.tolist())
         self.forced = {i for i, f in zip(ids, force.tolist()) if f}
         for i, d in zip(ids, plan.draft.tolist()):
@@ -532,6 +538,24 @@ class CostPolicy(VerifyPolicy):
                 self.payoff = PAYOFF_FORGET * self.payoff + (1.0 - PAYOFF_FORGET) * float(d)
                 self._probed.discard(i)
         self._probed |= {i for i, f in zip(ids, force) if f}
+
+    def prompts(self, requests, tokens):
+        self._prompts = (requests, tokens)
+
+    def _decoding(self, secs: np.ndarray, n_req: int, n_tok: int, context: float) -> tuple[np.ndarray, int]:
+        """The step's priced seconds [M] with n_req requests verifying n_tok tokens (the step's prompts
+        included) -> (those seconds less what its prompts add [M], the tokens its decoding requests commit
+        anyway). The plans maximise the rate of the step's decoding part, the prompts' cost sunk: a
+        prefill is paid whatever is drafted, and a draft committed now is worth the time it saves later
+        at decoding's rate. A whole step's rate, dragged down by a prefill (AIME at concurrency 32: a
+        570 ms step where decoding steps took 186), took drafts that decoding steps would not (the drafts
+        of 28% of rounds, position 1 accepted 41%: 0.94x plain decoding). The drafts' own seconds stay
+        the whole step's: past the knee a prompt makes every draft verified beside it cost its token."""
+        p_req, p_tok = self._prompts
+        if not p_req or p_req >= n_req:
+            return secs, n_req
+        full, base = (float(self.cost.verify_curve(r, n, 0, context)[0]) for r, n in ((n_req, n_tok), (n_req - p_req, n_tok - p_tok)))
+        return secs - max(full - base, 0.0), n_req - p_req
 
     def _priced(self, secs: np.ndarray) -> np.ndarray:
         """Verify seconds [M] -> the step's seconds as learnt from whole steps: the work outside the
@@ -602,7 +626,9 @@ class CostPolicy(VerifyPolicy):
         xp = prior_features(self.running_chain.rate(ids), n_pos)  # [R, J, 3]
         cum = self.chain.predict(xp).cumprod(-1) * (np.arange(n_pos)[None] < np.array(chains)[:, None])  # [R, J]
         n_req = len(states) + others
-        lens, _ = choose_lengths(cum, self.cost.verify_curve(n_req, n_req, cum.size, mean_context(states)), n_req)
+        n_tok = n_req + self._prompts[1] - self._prompts[0]
+        secs, fixed = self._decoding(self.cost.verify_curve(n_req, n_tok, cum.size, mean_context(states)), n_req, n_tok, mean_context(states))
+        lens, _ = choose_lengths(cum, secs, fixed)
         out = []
         for i, n, x, c in zip(ids, (lens - 1).tolist(), xp, chains):  # x [J, 3]
             refused = self.chain_refused.get(i, 0)
@@ -634,10 +660,11 @@ class CostPolicy(VerifyPolicy):
         cum = np.cumprod(cond, -1)
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
         spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
-        secs = self._secs  # [>= R*J + 1]
+        secs, fixed = self._secs, self._fixed  # [>= R*J + 1]
         if secs is None or secs.size <= cum.size:
             secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, mean_context(states)))
-        lens = choose_lengths(cum, secs[: cum.size + 1] + spent, n_req)[0]  # [R]
+            secs, fixed = self._decoding(secs, n_req, n_tok, mean_context(states))
+        lens = choose_lengths(cum, secs[: cum.size + 1] + spent, fixed)[0]  # [R]
         if self.forced:
             lens = np.where([i in self.forced for i in ids], np.maximum(lens, 2), lens)
         for j, i in enumerate(ids):
@@ -675,4 +702,4 @@ class CostPolicy(VerifyPolicy):
             plain, excess = self._excess
             over = min(max(seconds - plain, -0.5 * plain), 0.5 * plain + self.overrun.k_max * excess)
             self.overrun.update(excess, over)
-        self._excess, self._batch, self._secs = None, None, None
+        self._excess, self._batch, self._secs, self._prompts = None, None, None, (0, 0)

@@ -679,6 +679,49 @@ def test_a_long_prompt_to_extend_does_not_keep_a_request_from_drafting():
     assert all(picks(256)) and not any(picks(2))
 
 
+def test_a_prompt_prefilled_in_the_step_does_not_make_drafts_look_cheap():
+    """31 requests decode beside a 300-token prompt on a machine where a verified draft costs what it costs
+    whatever the step holds (t_T = 60 ms + 10 ms a request + 5 ms a token): drafts accepted at 0.4 bring
+    ~44 tokens/s against decoding's ~59 and do not pay. Priced whole, the prefill makes the step's rate ~16
+    tokens/s and every request drafted; told it is a prompt (sunk), the policy decodes plainly as it does in
+    the same step without the prompt. Prompt-lookup chains (no drafting cost) are judged the same way."""
+
+    def batch():
+        return [RequestState(Request(f"r{i}", [1, 2, 3], 64), DrafterSlot(None), None, None, torch.Generator()) for i in range(31)]
+
+    def picks(prompt: bool, others=(1, 300)) -> list[bool]:
+        policy = CostPolicy(linear_cost(), 16)
+        policy.prior = AcceptanceModel([float(np.log(0.4 / 0.6)), 0.0, 0.0], prior=1e6)  # P = 0.4 at every position
+        policy.prompts(*(others if prompt else (0, 0)))
+        return policy.select(batch(), others)
+
+    assert all(picks(prompt=False))  # the old mistake: the prefill's 1.5 s made 0.4-accepted drafts look worth it
+    assert not any(picks(prompt=True)) and not any(picks(prompt=False, others=(0, 0)))
+
+    def chain(prompt: bool) -> list[int]:
+        policy = CostPolicy(linear_cost(), 16)
+        policy.chain = AcceptanceModel([float(np.log(0.25 / 0.75)), 0.0, 0.0], prior=1e6)  # a chain token: 5 ms for 0.25 tokens
+        policy.prompts(*((1, 300) if prompt else (0, 0)))
+        return policy.lookup_lengths(batch(), [4] * 31, others=1)
+
+    assert not any(chain(prompt=True)) and not any(chain(prompt=False))
+
+
+def test_the_engine_tells_the_policy_its_prompts():
+    from adaflash.engine import FixedPolicy
+
+    seen = []
+
+    class Spy(FixedPolicy):
+        def prompts(self, requests, tokens):
+            seen.append((requests, tokens))
+
+    target = tiny_target(6)
+    reqs = [Request(f"r{i}", list(range(7, 7 + 3 + i)), max_new_tokens=4) for i in range(3)]
+    Engine(target, tiny_drafter(target, 6), Spy(3), eos_ids=[], max_batch=2).run(reqs)
+    assert seen[0] == (2, 3 + 4) and (1, 5) in seen and all(t >= 3 * r for r, t in seen)
+
+
 def test_the_overrun_factor_prices_the_drafting_pass_not_the_verification():
     """Steps where drafting costs twice what the drafting pass's model says (the work around the pass), and the
     verification what its own model says, teach k = 2 for drafting; the verify curve the plans read stays the
