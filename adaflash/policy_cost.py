@@ -626,8 +626,8 @@ class CostPolicy(VerifyPolicy):
         xp = prior_features(self.running_chain.rate(ids), n_pos)  # [R, J, 3]
         cum = self.chain.predict(xp).cumprod(-1) * (np.arange(n_pos)[None] < np.array(chains)[:, None])  # [R, J]
         n_req = len(states) + others
-        n_tok = n_req + self._prompts[1] - self._prompts[0]
-        secs, fixed = self._decoding(self.cost.verify_curve(n_req, n_tok, cum.size, mean_context(states)), n_req, n_tok, mean_context(states))
+        n_tok, ctx = n_req + self._prompts[1] - self._prompts[0], mean_context(states)
+        secs, fixed = self._decoding(self.cost.verify_curve(n_req, n_tok, cum.size, ctx), n_req, n_tok, ctx)
         lens, _ = choose_lengths(cum, secs, fixed)
         out = []
         for i, n, x, c in zip(ids, (lens - 1).tolist(), xp, chains):  # x [J, 3]
