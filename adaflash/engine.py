@@ -505,14 +505,15 @@ class Engine:
         of them in one packed target forward, commit, and grow the drafters' contexts."""
         t_step = self._clock() if self.policy.timed else 0.0
         plans = [self._plan(s) for s in active]
+        fresh = [p for p in plans if p.kind == "prefill"]
+        prompts = sum(p.verify_len for p in fresh)  # admission left room for them in the token budget
+        self.policy.prompts(len(fresh), prompts)
         self._select(plans)
         drafted = self._draft(plans)
-        fresh = [p for p in plans if p.kind == "prefill"]
         plans = [p for p in plans if p.kind != "prefill"]  # the rounds
         for p in plans:  # chains never verify past max_new_tokens (a tree caps its depth instead)
             if p.kind != "tree":
                 p.verify_len = max(1, min(p.verify_len, p.budget + 1))
-        prompts = sum(p.verify_len for p in fresh)  # admission left room for them in the token budget
         for p, n in zip(plans, self._fit_budget([p.verify_len for p in plans], prompts)):
             p.verify_len = n
         self._propose(plans)
@@ -551,8 +552,6 @@ class Engine:
     def _select(self, plans: list[_Plan]) -> None:
         """The policy sizes prompt-lookup chains (a request whose chain it refuses may draft instead) and
         may keep drafting requests from drafting this step: they verify their anchor alone."""
-        fresh = [p for p in plans if p.kind == "prefill"]
-        self.policy.prompts(len(fresh), sum(p.verify_len for p in fresh))
         looks = [p for p in plans if p.kind == "lookup"]
         if looks:
             keep = self.policy.lookup_lengths([p.st for p in looks], [len(p.chain) for p in looks], len(plans) - len(looks))

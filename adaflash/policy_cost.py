@@ -499,9 +499,10 @@ class CostPolicy(VerifyPolicy):
             return list(draft)
         xp = prior_features(self.running.rate(ids), self.k_blk - 1)  # [R, K-1, 3]
         cum = np.cumprod(self.prior.predict(xp), -1)  # [R, K-1]
-        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, mean_context(states)))  # [R*(K-1) + 1]
+        ctx = mean_context(states)
+        secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, ctx))  # [R*(K-1) + 1]
         step_s = float(secs[0])
-        secs, fixed = self._decoding(secs, n_req, n_tok, mean_context(states))
+        secs, fixed = self._decoding(secs, n_req, n_tok, ctx)
         self._secs, self._fixed = secs, fixed  # `lengths` reads them: the models do not change before the step is timed
         pending = np.array([float(s.context_tokens) for s in states])  # [R] tokens to extend
         # extending a request's drafter cache is paid once for all its later drafted steps (a new request's whole
@@ -662,8 +663,8 @@ class CostPolicy(VerifyPolicy):
         spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
         secs, fixed = self._secs, self._fixed  # [>= R*J + 1]
         if secs is None or secs.size <= cum.size:
-            secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, mean_context(states)))
-            secs, fixed = self._decoding(secs, n_req, n_tok, mean_context(states))
+            ctx = mean_context(states)
+            secs, fixed = self._decoding(self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, ctx)), n_req, n_tok, ctx)
         lens = choose_lengths(cum, secs[: cum.size + 1] + spent, fixed)[0]  # [R]
         if self.forced:
             lens = np.where([i in self.forced for i in ids], np.maximum(lens, 2), lens)
