@@ -198,7 +198,18 @@ def fused_op(owner: nn.Module, mods: tuple[nn.Module, ...], x: torch.Tensor):
     return cached[1]
 
 
-class Linear(nn.Linear):
+class InferenceCaches:
+    """Drops a module's cached CPU inference forms (`_pack`, `_fused`) when it is copied or pickled: they are
+    rebuilt on first use, and oneDNN's packed tensors cannot be copied (`copy.deepcopy` of a model that has
+    run on the CPU, say to move the copy to a GPU, failed on them)."""
+
+    _CACHES = ("_pack", "_pack_key", "_fused")
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in self._CACHES}
+
+
+class Linear(InferenceCaches, nn.Linear):
     """nn.Linear with a faster CPU inference path, numerically the same GEMM.
 
     Without autograd on CPU (decoding, verification, drafting) the weight is reordered once into
@@ -264,7 +275,7 @@ def frozen_linear(weight: torch.Tensor) -> Linear:
     return lin
 
 
-class MLP(nn.Module):
+class MLP(InferenceCaches, nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=False)
@@ -283,7 +294,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(g) * u)
 
 
-class Attention(nn.Module):
+class Attention(InferenceCaches, nn.Module):
     """GQA projections. `project_q` / `project_kv` are separate so the drafter can project the
     target's context features through k/v alone (KV injection)."""
 

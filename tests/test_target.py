@@ -238,3 +238,22 @@ def test_tree_forward_matches_chain_forwards_and_keep_continues_a_path():
     model(prompt, ref_cache)
     ref, _ = model(torch.tensor([[11, 5, 7, 8, 4]]), ref_cache)
     torch.testing.assert_close(nxt[0], ref[0, -2:], atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_that_ran_on_the_cpu_can_be_copied():
+    """CPU inference caches oneDNN-packed weights on the modules, which cannot be copied: deepcopy (how
+    tests/test_gpu.py moves a model to CUDA after a CPU reference run) drops them, and the copy rebuilds
+    them and decodes the same tokens."""
+    import copy
+    import pickle
+
+    from conftest import greedy_reference
+
+    target = tiny_target(11)
+    ref = greedy_reference(target, [1, 2, 3, 4], 12, [])
+    if not any("_pack" in m.__dict__ or "_fused" in m.__dict__ for m in target.modules()):
+        pytest.skip("no packed CPU form on this machine (no oneDNN)")
+    twin = copy.deepcopy(target)
+    assert not any("_pack" in m.__dict__ or "_fused" in m.__dict__ for m in twin.modules())
+    assert greedy_reference(twin, [1, 2, 3, 4], 12, []) == ref
+    assert greedy_reference(pickle.loads(pickle.dumps(target)), [1, 2, 3, 4], 12, []) == ref
