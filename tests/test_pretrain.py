@@ -182,12 +182,14 @@ def test_config_errors(tmp_path):
         load_config(tmp_path / "nope.yaml", PretrainConfig)
 
 
-@pytest.mark.parametrize("name", ["pretrain_smollm2.yaml", "pretrain_smollm2_nocode.yaml", "pretrain_smollm2_gpu.yaml"])
+@pytest.mark.parametrize(
+    "name", ["pretrain_smollm2.yaml", "pretrain_smollm2_nocode.yaml", "pretrain_smollm2_gpu.yaml", "pretrain_smollm2_gpu_continue.yaml"]
+)
 def test_shipped_config_is_valid(name):
     from pathlib import Path
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / name, PretrainConfig)
-    assert cfg.drafter.block_size == 16
+    assert cfg.drafter.block_size == 16 or (cfg.drafter.continues and cfg.drafter.block_size is None)  # a continuation keeps its init's
 
 
 def test_init_from_target_copies_last_layers(tiny_hf_dir):
@@ -255,3 +257,35 @@ def test_two_ranks_over_gloo_run_the_train_stage(tmp_path, tiny_hf_dir):
     assert (tmp_path / "run" / "checkpoints" / "step3" / "drafter.safetensors").exists()
     run_stages(cfg, ["export"])
     assert json.loads((tmp_path / "drafter" / "config.json").read_text())["training"]["steps"] == 3
+
+
+def test_gpu_continue_recipe_keeps_mtbench_unseen_and_its_scripts_parse(tmp_path):
+    """configs/pretrain_smollm2_gpu_continue.yaml trains on every domain but MT-Bench, which its gate
+    measures as a domain nothing trained on; scripts/gpu_pack.sh and scripts/gpu_pretrain.sh (the
+    one-call GPU recipe) parse, and the latter explains itself when called without a verb."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    cfg = load_config(root / "configs" / "pretrain_smollm2_gpu_continue.yaml", PretrainConfig)
+    assert "mtbench" not in cfg.regen.domains and "mtbench" in cfg.eval.domains
+    assert cfg.drafter.continues and cfg.train.features == "target" and cfg.gate is not None
+    for script in ("gpu_pack.sh", "gpu_pretrain.sh"):
+        subprocess.run(["bash", "-n", str(root / "scripts" / script)], check=True)
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "ADAFLASH_GPU_STASH": str(tmp_path / "stash")}
+    usage = subprocess.run(["bash", str(root / "scripts" / "gpu_pretrain.sh")], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "stash" in usage.stdout and "run" in usage.stdout
+
+
+def test_regeneration_answers_every_prompt_greedily_before_any_sample():
+    """A time-limited regeneration cuts the last answers: they are sampled ones of every domain, not
+    whole domains of long prompts (each round is still shortest first)."""
+    from collections import namedtuple
+
+    from adaflash.pipelines.regenerate import answer_order
+
+    rec = namedtuple("Rec", "prompt_id")
+    recs = [rec("long#1"), rec("short")]
+    jobs = [(r, f"{r.prompt_id}#s{j}" if j else r.prompt_id, 0.8 if j else 0.0) for r in recs for j in range(3)]
+    order = [answer_id for _, answer_id, _ in answer_order(jobs, {"long#1": 900, "short": 20})]
+    assert order == ["short", "long#1", "short#s1", "long#1#s1", "short#s2", "long#1#s2"]
