@@ -199,11 +199,12 @@ def fused_op(owner: nn.Module, mods: tuple[nn.Module, ...], x: torch.Tensor):
 
 
 class InferenceCaches:
-    """Drops a module's cached CPU inference forms (`_pack`, `_fused`) when it is copied or pickled: they are
-    rebuilt on first use, and oneDNN's packed tensors cannot be copied (`copy.deepcopy` of a model that has
-    run on the CPU, say to move the copy to a GPU, failed on them)."""
+    """Drops a module's cached CPU inference forms (`Linear`'s `_pack`, the fused projections' `_fused`,
+    `TargetModel`'s decoder-stack weights `_stack`) when it is copied or pickled: they are rebuilt on first
+    use, and oneDNN's packed tensors cannot be copied (`copy.deepcopy` of a model that has run on the CPU,
+    say to move the copy to a GPU, failed on them)."""
 
-    _CACHES = ("_pack", "_pack_key", "_fused")
+    _CACHES = ("_pack", "_pack_key", "_fused", "_stack", "_stack_params")
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in self._CACHES}

@@ -20,7 +20,7 @@ from torch import nn
 
 from adaflash.kernels import attention_cpu, stack_cpu
 from adaflash.kvcache import KVCache, KVPool, Ragged, one_block, pool_of
-from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, prepack, prompt_rows, weights_epoch
+from adaflash.layers import DecoderLayer, InferenceCaches, Linear, RMSNorm, Rotary, prepack, prompt_rows, weights_epoch
 
 
 def _segments(lens: list[int], prompt: list[bool], chunk: int = 32) -> list[int]:
@@ -110,7 +110,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class TargetModel(nn.Module):
+class TargetModel(InferenceCaches, nn.Module):
     def __init__(self, config: TargetConfig, feature_layers: list[int] | None = None):
         super().__init__()
         self.config = config
