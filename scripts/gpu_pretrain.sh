@@ -73,11 +73,9 @@ stash)
     for d in .gpu/w .gpu/a .gpu/b; do [ -d "$d" ] && cp "$d"/* "$STASH"/; done
     say "stash holds: $(ls "$STASH" | grep -v '^site$' | tr '\n' ' ')"
     [ "${ADAFLASH_GPU_CHECK:-1}" = 0 ] && touch "$STASH/.checked"  # a second lease of a recipe that passed: install only
-    if ls "$STASH"/*.whl >/dev/null 2>&1 && [ ! -f "$SITE/.ready" ]; then
+    if ls "$STASH"/*.whl >/dev/null 2>&1; then  # the wheels are here: install (once) and check (once)
         install || { say "FAILED: install"; exit 1; }
-    fi
-    if ls "$STASH"/*.whl >/dev/null 2>&1 && [ ! -f "$STASH/.checked" ]; then
-        check && touch "$STASH/.checked" && say "GPU path OK" || { say "FAILED: the environment above"; exit 1; }
+        [ -f "$STASH/.checked" ] || { check && touch "$STASH/.checked" && say "GPU path OK"; } || { say "FAILED: the environment above"; exit 1; }
     fi
     ;;
 run)
