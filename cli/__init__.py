@@ -38,6 +38,9 @@ LOOKUP = 8  # prompt-lookup branch grafted into every tree by default (tokens; d
 PRETRAIN_HELP = """\
 Stages, in this order, each resuming where it stopped:
   prompts     per-domain train/eval prompt sets (deterministic split) in run_dir/prompts
+  magpie      only with a magpie: section: the target writes magpie.n new user turns where it runs (a GPU
+              samples thousands a minute), filtered against the committed data/magpie prompts and added
+              to those sets (run_dir/magpie: raw turns, magpie.jsonl, report.md)
   regenerate  the target answers the training prompts (shards in run_dir/answers; regen.time_limit_min)
   train       DeepSpeed training from drafter.init (checkpoints in run_dir/checkpoints; train.time_limit_min)
   export      the latest checkpoint as a drafter directory at drafter_out
@@ -152,7 +155,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
             raise UsageError(f"--gate-out: {args.config} has no gate: section")
         cfg.gate.out = args.gate_out
     if args.stage == "all":
-        stages = [s for s in STAGES if s != "gate" or cfg.gate is not None]
+        stages = [s for s in STAGES if getattr(cfg, s, True) is not None]  # gate and magpie only with their sections
     else:
         stages = [s.strip() for s in args.stage.split(",")]
     bad = [s for s in stages if s not in STAGES]
@@ -547,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument("--config", required=True, help="YAML, e.g. configs/pretrain_smollm2.yaml or configs/pretrain_smollm2_continue.yaml")
-    t.add_argument("--stage", default="all", help="comma-separated stages, or 'all' (gate only with a gate: section)")
+    t.add_argument("--stage", default="all", help="comma-separated stages, or 'all' (gate and magpie only with their sections)")
     t.add_argument(
         "--gate-out",
         default=None,

@@ -20,8 +20,10 @@ import argparse
 import hashlib
 import json
 import re
+import shutil
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -181,25 +183,40 @@ def verdict(text: str, finished: bool, min_words: int = 4, max_chars: int = 1500
     return None
 
 
+COMMON_SHINGLE = 64
+"""A word 3-gram held by more kept prompts than this ("how do i") no longer proposes near-duplicate
+candidates: without the cap the check grew with the square of the prompts (20,000 took minutes). A pair
+at Jaccard >= 0.6 shares most of its 3-grams, so it is still found through its rarer ones."""
+
+
 def filter_raw(out_dir: Path, dup_jaccard: float = 0.6) -> dict:
     """Filter every raw shard into magpie.jsonl + report.json/report.md; returns the report."""
     raw = [r for f in _raw_shards(out_dir) for r in pq.read_table(f, schema=RAW_SCHEMA).to_pylist()]
     raw.sort(key=lambda r: r["seed"])
     kept, reasons = [], Counter()
     seen: list[set] = []
-    index: dict[tuple, list[int]] = {}  # shingle -> kept prompts holding it (candidates for the Jaccard test)
+    index: dict[tuple, list[int]] = {}  # shingle -> kept prompts holding it (up to COMMON_SHINGLE + 1 of them)
+
+    def remember(sh: set) -> None:
+        for s in sh:
+            post = index.setdefault(s, [])
+            if len(post) <= COMMON_SHINGLE:
+                post.append(len(seen))
+        seen.append(sh)
+
+    def near_duplicate(sh: set) -> bool:
+        cands = {k for s in sh if len(post := index.get(s, ())) <= COMMON_SHINGLE for k in post}
+        return any(len(sh & seen[k]) / len(sh | seen[k]) >= dup_jaccard for k in cands)
+
     for r in raw:
         why = verdict(r["text"], r["finished"])
         text = r["text"].strip()
         if why is None:
             sh = _shingles(_WORD.findall(text.lower()))
-            cands = {k for s in sh for k in index.get(s, ())}
-            if any(len(sh & seen[k]) / len(sh | seen[k]) >= dup_jaccard for k in cands):
+            if near_duplicate(sh):
                 why = "near-duplicate"
             else:
-                for s in sh:
-                    index.setdefault(s, []).append(len(seen))
-                seen.append(sh)
+                remember(sh)
                 kept.append({**r, "text": text})
         reasons[why or "kept"] += 1
     lines = [json.dumps({"kind": r["kind"], "topic": r["topic"], "key": hashlib.sha256(r["text"].encode()).hexdigest()[:12],
@@ -250,6 +267,45 @@ def report_markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class MagpieSection:
+    """The pretraining stage `magpie` (pipelines/pretrain.py): the target writes new prompts where it
+    runs (a lent GPU samples thousands a minute), continuing the sampling plan of the committed set."""
+
+    n: int = 2400  # new user turns to sample, after the base set's (kinds round-robin)
+    base: str | None = "data/magpie"  # the set continued: its raw shards are copied and its plan extended
+    seed: int = 0  # the base set's (a shard's turns depend on the seed and its first job only)
+    batch_size: int = 256
+    max_new_tokens: int = 128  # longer turns are dropped as truncated
+    temperature: float = 0.8
+    time_limit_min: float | None = None  # stop sampling after this long; what was sampled is still used
+
+    def __post_init__(self):
+        if self.n < 1 or self.batch_size < 1 or self.max_new_tokens < 1 or self.temperature <= 0:
+            raise ValueError("magpie.n, batch_size and max_new_tokens must be >= 1 and temperature > 0")
+
+
+def run_magpie(sec: MagpieSection, target, out_dir: Path, prompts_dir: Path) -> dict:
+    """Continue the base set in out_dir: its raw shards copied there, sec.n more turns sampled (jobs after
+    its own), all of them filtered in one pass (so a new turn that near-duplicates a committed prompt,
+    maybe one of its eval slice, is dropped), and the kept prompts added to the prompt sets in
+    prompts_dir, each to its split (those already there are skipped). out_dir is then a drop-in
+    successor of the base set: copied over data/magpie and committed, the next run continues after it."""
+    from adaflash.pipelines.prompts import add_to_prompt_sets, magpie_records
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = [] if sec.base is None else _raw_shards(Path(sec.base))
+    for f in base:
+        if not (out_dir / f.name).exists():
+            shutil.copyfile(f, out_dir / f.name)
+    n_base = sum(pq.read_metadata(f).num_rows for f in base)
+    stats = generate_raw(target, out_dir, n_base + sec.n, sec.batch_size, sec.max_new_tokens, sec.temperature, sec.seed, sec.time_limit_min)
+    rep = filter_raw(out_dir)
+    added = add_to_prompt_sets(prompts_dir, magpie_records(out_dir / "magpie.jsonl"))
+    print(f"[adaflash] magpie: {rep['kept']} of {rep['raw_turns']} turns kept ({n_base} from {sec.base}), added {added}")
+    return {**stats, "base_turns": n_base, "kept": rep["kept"], "added": added}
+
+
 def cmd_prompts(args: argparse.Namespace) -> int:
     from adaflash.config import UsageError
     from adaflash.target import load_target, resolve_dtype
@@ -258,7 +314,9 @@ def cmd_prompts(args: argparse.Namespace) -> int:
         raise UsageError(f"-n and --batch-size must be >= 1 (got {args.n}, {args.batch_size})")
     out = Path(args.out)
     if not args.filter_only:
-        target = load_target(args.target, resolve_dtype(args.dtype))
+        from adaflash.pipelines.pretrain import stage_device
+
+        target = load_target(args.target, resolve_dtype(args.dtype), device=stage_device(args.device))
         if target.tokenizer is None or getattr(target.tokenizer, "chat_template", None) is None:
             raise UsageError(f"target {args.target} has no chat template: Magpie needs one to write user turns")
         stats = generate_raw(target, out, args.n, args.batch_size, args.max_new_tokens, args.temperature, args.seed, args.time_limit_min)
@@ -285,6 +343,7 @@ def register(sub) -> None:
     p.add_argument("--out", default="data/magpie", help="folder for raw shards, magpie.jsonl and the report")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"], help="bf16 where this CPU runs it fast")
+    p.add_argument("--device", default="cpu", help="where the target samples: cpu, cuda, cuda:N, or auto (the GPU where there is one)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128, help="longer turns are dropped as truncated")
     p.add_argument(

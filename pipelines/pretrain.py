@@ -2,6 +2,8 @@
 
 Stages, each resumable (`adaflash pretrain --config configs/pretrain_smollm2.yaml [--stage S]`):
   prompts     build the per-domain train/eval prompt sets (Parquet, deterministic split)
+  magpie      with a `magpie:` section: the target writes new user turns where it runs (the GPU),
+              filtered and added to those sets as magpie_* prompts (pipelines/magpie.py)
   regenerate  the target answers the training prompts; answers + target features as shards
   train       DeepSpeed training: random anchors, block mask, position-decayed cross-entropy;
               checkpoints every `save_every` steps and resumes from the latest one
@@ -30,6 +32,7 @@ import torch
 from adaflash.pipelines.drafter_start import START, DrafterSection, init_copy, start_drafter
 from adaflash.pipelines.evaluate import EvalSection
 from adaflash.pipelines.gate import GateSection
+from adaflash.pipelines.magpie import MagpieSection
 from tqdm import tqdm
 
 from adaflash.config import to_dict
@@ -37,7 +40,7 @@ from adaflash.distributed import from_rank0, init_distributed
 from adaflash.recipe import VOCABS, LossSection, StepSection, deepspeed_config, train_step
 from adaflash.target import Target, load_target
 
-STAGES = ("prompts", "regenerate", "train", "export", "eval", "gate")
+STAGES = ("prompts", "magpie", "regenerate", "train", "export", "eval", "gate")
 
 
 @dataclass
@@ -104,6 +107,7 @@ class PretrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     gate: GateSection | None = None  # the gate stage's section (pipelines/gate.py); none: no gate stage
+    magpie: MagpieSection | None = None  # the magpie stage's section (pipelines/magpie.py); none: no magpie stage
 
     def __post_init__(self):
         if not self.regen.store_features and self.train.features == "stored":
@@ -337,11 +341,18 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
         print(f"[adaflash] stage {stage}", flush=True)
         if stage == "prompts":
             build_prompt_sets(prompts_dir, available_domains())  # the optional and target-written domains too
-        elif stage in ("regenerate", "train", "export"):
-            # the frozen target weights the drafter shares: bf16 for regeneration and autocast training
-            dtype = {"regenerate": cfg.regen.dtype, "train": "bfloat16" if cfg.train.autocast_bf16 else "float32"}.get(stage, "float32")
+        elif stage in ("magpie", "regenerate", "train", "export"):
+            # the frozen target weights the drafter shares: bf16 for sampling and autocast training
+            bf16 = "bfloat16" if cfg.train.autocast_bf16 else "float32"
+            dtype = {"magpie": cfg.regen.dtype, "regenerate": cfg.regen.dtype, "train": bf16}.get(stage, "float32")
             target = load_target(cfg.target.source, dtype, device=stage_device(cfg.target.device))
-            if stage == "regenerate":
+            if stage == "magpie":
+                if cfg.magpie is None:
+                    raise ValueError("the magpie stage needs a `magpie:` section (n: user turns to sample)")
+                from adaflash.pipelines.magpie import run_magpie
+
+                summary[stage] = run_magpie(cfg.magpie, target, run_dir / "magpie", prompts_dir)
+            elif stage == "regenerate":
                 from adaflash.pipelines.regenerate import regenerate
 
                 rc = cfg.regen

@@ -311,11 +311,17 @@ def _load_mtbench() -> list[PromptRecord]:
     return out
 
 
+def magpie_records(path: Path, kind: str | None = None) -> list[PromptRecord]:
+    """The prompts of a magpie.jsonl (`adaflash prompts`) as records of the `magpie_<kind>` domains (one
+    kind, or all), in file order, each split by its id like the committed set's."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} is missing: `adaflash prompts` writes it")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [_record(f"magpie_{r['kind']}", r["key"], r["text"], None) for r in rows if kind in (None, r["kind"])]
+
+
 def _load_magpie(kind: str) -> list[PromptRecord]:
-    if not MAGPIE_FILE.exists():
-        raise FileNotFoundError(f"{MAGPIE_FILE} is missing: `adaflash prompts` writes it")
-    rows = [json.loads(line) for line in MAGPIE_FILE.read_text().splitlines() if line.strip()]
-    return [_record(f"magpie_{kind}", r["key"], r["text"], None) for r in rows if r["kind"] == kind]
+    return magpie_records(MAGPIE_FILE, kind)
 
 
 _LOADERS: dict[str, Callable[[], list[PromptRecord]]] = {
@@ -386,6 +392,22 @@ def build_prompt_sets(out_dir: Path, domains: Iterable[str] = DOMAINS) -> dict[s
         paths[split] = out_dir / f"{split}.parquet"
         _write_parquet([r for r in records if r.split == split], paths[split])
     return paths
+
+
+def add_to_prompt_sets(out_dir: Path, records: list[PromptRecord]) -> dict[str, int]:
+    """Append `records` to the train/eval sets in out_dir, each to its own split, after the rows already
+    there (so the first N of a domain, what an eval reads, stay the same); a record whose id is there
+    already is skipped, so adding the same records again changes nothing. -> rows added per split."""
+    added = {}
+    for split in SPLITS:
+        path = Path(out_dir) / f"{split}.parquet"
+        have = read_prompts(path) if path.exists() else []
+        ids = {r.prompt_id for r in have}
+        new = [r for r in records if r.split == split and r.prompt_id not in ids]
+        if new:
+            _write_parquet(have + new, path)
+        added[split] = len(new)
+    return added
 
 
 def read_prompts(path: Path, domains: list[str] | None = None, limit_per_domain: int | None = None) -> list[PromptRecord]:

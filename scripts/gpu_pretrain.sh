@@ -8,8 +8,9 @@
 #          install the wheels and this project into $STASH/site once, and check the GPU path (imports,
 #          tests/test_gpu.py, one DeepSpeed step of a tiny drafter on CUDA): a broken environment shows
 #          before the GGUF has finished travelling
-#   run    join the GGUF, run the config's regenerate, train and export stages (each time-limited), and pack
-#          the export, the training log and curve and the answers (token ids) into $OUT/result.tgz.part-*
+#   run    join the GGUF, run the config's magpie (with a magpie: section), regenerate, train and export
+#          stages (each time-limited), and pack the export, the training log and curve, the answers (token
+#          ids) and the new prompts (raw turns, magpie.jsonl, report) into $OUT/result.tgz.part-*
 # Output: $OUT/job.log, $OUT/result.tgz.part-* (unpack: cat result.tgz.part-* | tar xz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,13 +92,15 @@ run)
     if [ -f .gpu/d/.path ]; then  # the drafter to continue, carried beside the checkout (its tracked weights stay behind)
         init=$(cat .gpu/d/.path) && mkdir -p "$init" && cp .gpu/d/*.safetensors .gpu/d/*.json "$init"/
     fi
-    say "GGUF joined and checked; stages regenerate,train,export of $CFG"
-    "$PY" -P -c "import sys; from adaflash.cli import main; sys.argv[0] = 'adaflash'; sys.exit(main())" pretrain --config "$CFG" --stage regenerate,train,export
+    read -r run_dir out_dir magpie < <("$PY" -c "import sys,yaml; c=yaml.safe_load(open(sys.argv[1])); print(c['run_dir'], c['drafter_out'], 'magpie' in c)" "$CFG")
+    stages=regenerate,train,export
+    [ "$magpie" = True ] && stages=magpie,$stages  # new prompts first, written by the target here
+    say "GGUF joined and checked; stages $stages of $CFG"
+    "$PY" -P -c "import sys; from adaflash.cli import main; sys.argv[0] = 'adaflash'; sys.exit(main())" pretrain --config "$CFG" --stage "$stages"
     rc=$?
     say "stages ended with $rc"
-    read -r run_dir out_dir < <("$PY" -c "import sys,yaml; c=yaml.safe_load(open(sys.argv[1])); print(c['run_dir'], c['drafter_out'])" "$CFG")
     files=()
-    for f in "$out_dir" "$run_dir"/train_log.jsonl "$run_dir"/training.png "$run_dir"/stages.jsonl "$run_dir"/answers; do
+    for f in "$out_dir" "$run_dir"/train_log.jsonl "$run_dir"/training.png "$run_dir"/stages.jsonl "$run_dir"/answers "$run_dir"/magpie; do
         [ -e "$f" ] && files+=("$f")
     done
     tar czf - --exclude='*.features.safetensors' "${files[@]}" | split -b 15M - "$OUT/result.tgz.part-"

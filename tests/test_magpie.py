@@ -81,6 +81,18 @@ def test_filter_keeps_usable_turns_and_says_why_it_drops_the_rest(tmp_path):
     assert "| chat | 1 |" in (tmp_path / "report.md").read_text()
 
 
+def test_near_duplicates_are_found_past_common_phrases(tmp_path):
+    """A 3-gram held by many kept turns ("how do i") stops proposing candidates (the check would grow
+    with the square of the turns); a near-duplicate still shares its rarer 3-grams and is dropped."""
+    words = [f"w{i}x" for i in range(400)]
+    w = [words[4 * i : 4 * i + 4] for i in range(90)]
+    texts = [(f"How do I {a} the {b} with {c} and {d} today?", True) for a, b, c, d in w]
+    texts.append(("How do I " + texts[80][0][len("How do I ") : -len(" today?")] + " tomorrow?", True))
+    _raw(tmp_path, texts)
+    rep = magpie.filter_raw(tmp_path)
+    assert magpie.COMMON_SHINGLE < 90 and rep["reasons"] == {"kept": 90, "near-duplicate": 1}
+
+
 def test_magpie_domains_load_with_a_deterministic_split(tmp_path, monkeypatch):
     _raw(tmp_path, [(f"Question number {i}: what is {i} plus {i * 7} in words, exactly?", True) for i in range(60)])
     magpie.filter_raw(tmp_path, dup_jaccard=1.01)  # near-identical on purpose: keep them all
@@ -103,3 +115,49 @@ def test_cli_filter_only_without_shards_says_what_to_do(tmp_path, capsys):
 
     assert main(["prompts", "--filter-only", "--out", str(tmp_path)]) == 2
     assert "run without --filter-only first" in capsys.readouterr().err
+
+
+def test_the_magpie_stage_continues_the_committed_set_and_adds_only_new_prompts(tmp_path, tiny_hf_dir, monkeypatch):
+    """pretrain's `magpie` stage (the GPU recipe's first) continues the base (committed) set: its raw turns
+    copied, more sampled by the target after them, all filtered in one pass (a new turn that copies a
+    committed prompt is dropped: it could be in their eval slice), the kept new prompts appended to the
+    run's prompt sets, each to its split, after the rows there; a rerun adds nothing."""
+    from adaflash.pipelines.pretrain import PretrainConfig, run_stages
+
+    from adaflash.config import from_dict
+
+    def raw(d, first, texts):  # turns of jobs first.. as sampled (one shard)
+        d.mkdir(parents=True, exist_ok=True)
+        jobs = magpie.plan(first + len(texts))[first:]
+        rows = [dict(kind=k, topic=t, seed=first + i, text=x, finished=True) for i, ((k, t), x) in enumerate(zip(jobs, texts))]
+        pq.write_table(pa.Table.from_pylist(rows, schema=magpie.RAW_SCHEMA), d / f"raw-{first:07d}.parquet")
+
+    committed = "How do I keep basil alive on a windowsill through the winter months?"
+    base, run = tmp_path / "base", tmp_path / "run"
+    raw(base, 0, [committed])
+    magpie.filter_raw(base)
+    monkeypatch.setattr(prompts, "MAGPIE_FILE", base / "magpie.jsonl")
+    sets = prompts.build_prompt_sets(run / "prompts", ["gsm8k", *(f"magpie_{k}" for k in prompts.MAGPIE_KINDS)])
+    before = {s: prompts.read_prompts(p) for s, p in sets.items()}
+    new = [f"Could you explain topic number {i} about {w} in plain words for a beginner?" for i, w in enumerate("abcdefghijkl")]
+    raw(run / "magpie", 1, [committed, *new])  # sampled before a stop: the stage resumes after them
+    cfg = from_dict(
+        PretrainConfig,
+        {
+            "run_dir": str(run),
+            "target": {"source": str(tiny_hf_dir), "device": "cpu"},
+            "regen": {"dtype": "float32"},
+            "magpie": {"n": 18, "base": str(base), "batch_size": 6, "max_new_tokens": 4},
+        },
+    )
+    out = run_stages(cfg, ["magpie"])["magpie"]
+    assert out["base_turns"] == 1 and out["sampled_now"] == 5  # jobs 14..18, for real
+    assert out["kept"] == 13  # the committed prompt and the 12 new; its copy and the tiny target's cut turns dropped
+    added = [r for s in prompts.SPLITS for r in prompts.read_prompts(sets[s])[len(before[s]) :]]
+    assert sorted(r.messages[0]["content"] for r in added) == sorted(new)
+    assert sum(out["added"].values()) == 12 and all(r.split == prompts.split_for(r.prompt_id, 10) for r in added)
+    for s in prompts.SPLITS:  # the rows there before stay first: an eval of the first N reads the same prompts
+        assert prompts.read_prompts(sets[s])[: len(before[s])] == before[s]
+    assert run_stages(cfg, ["magpie"])["magpie"]["added"] == {"train": 0, "eval": 0}
+    kept = (run / "magpie" / "magpie.jsonl").read_text().splitlines()
+    assert kept[0] == (base / "magpie.jsonl").read_text().strip()  # a drop-in successor: the base's prompts first

@@ -270,6 +270,7 @@ def test_gpu_continue_recipe_keeps_mtbench_unseen_and_its_scripts_parse(tmp_path
     cfg = load_config(root / "configs" / "pretrain_smollm2_gpu_continue.yaml", PretrainConfig)
     assert "mtbench" not in cfg.regen.domains and "mtbench" in cfg.eval.domains
     assert cfg.drafter.continues and cfg.train.features == "target" and cfg.gate is not None
+    assert cfg.magpie is not None and cfg.magpie.base == "data/magpie"  # new prompts first, after the committed ones
     for script in ("gpu_pack.sh", "gpu_pretrain.sh"):
         subprocess.run(["bash", "-n", str(root / "scripts" / script)], check=True)
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "ADAFLASH_GPU_STASH": str(tmp_path / "stash")}
