@@ -673,17 +673,23 @@ class CostPolicy(VerifyPolicy):
         return lens.tolist(), [float("nan")] * len(states)
 
     def observe(self, states, accepted):
-        """Label each verified round's positions and refit both acceptance models. Where a drafted
-        position's label is not seen (not verified, or after the first rejection) the prior model learns
-        what the block model predicted there: so a request whose drafts are never worth verifying stops
-        being drafted, and no outcome decides which positions the prior model learns from."""
+        """Label each verified round's positions and refit both acceptance models. Where a drafted position
+        was not verified in a round that accepted every draft it verified, the prior model learns what the
+        block model predicted there: so a request whose drafts are never worth verifying stops being
+        drafted. Positions after a rejection are not at risk (see the comment below) and left out."""
         rows = _labelled(self.pending, states, accepted, self.running, lambda p: len(p.p))
         if rows:
             x = np.concatenate([p.x for p, _, _ in rows])  # [n, 4]
             seen = np.concatenate([s for _, _, s in rows])  # [n]
             y = np.concatenate([y for _, y, _ in rows])  # [n]
             self.block.update(x[seen], y[seen])
-            self.prior.update(x[:, :3], np.where(seen, y, np.concatenate([p.p for p, _, _ in rows])))  # the block model's P where unseen
+            # positions after a rejection are left out: their condition (every earlier draft accepted) failed,
+            # so they say nothing about P(accepted | earlier accepted), and the block model's guess there is
+            # an extrapolation (a drafter rejected at position 1 every round taught the prior that later
+            # positions pass, and it kept drafting)
+            risk = np.concatenate([s | ~(s & (y_ == 0)).any() for _, y_, s in rows])  # [n]
+            p_block = np.concatenate([p.p for p, _, _ in rows])  # [n]
+            self.prior.update(x[risk, :3], np.where(seen, y, p_block)[risk])
 
     def observe_timing(self, verify, draft):
         """Refit the step-cost model on the step just run, after noting what it predicted drafting adds

@@ -382,6 +382,7 @@ def test_useless_drafter_falls_back_to_plain_decoding():
     vd = drafter.logits(torch.zeros(1, 64)).shape[-1]
     drafter.logits = lambda h: torch.full((*h.shape[:-1], vd), -10.0).index_fill_(-1, torch.tensor([bad]), 10.0)  # [..., Vd]
     policy = CostPolicy(linear_cost(**CHEAP), drafter.block_size)
+    policy.timed = False  # CHEAP's step costs throughout: the acceptance alone must stop the drafting, whatever the load
     engine = Engine(target, drafter, policy, eos_ids=[5], max_batch=3, token_budget=40)
     drafted, real = [], drafter.draft_many  # (step, requests) of every drafter pass
 
@@ -741,7 +742,7 @@ def test_the_overrun_factor_prices_the_drafting_pass_not_the_verification():
 
 def test_one_round_does_not_throw_the_prior_model_past_its_labels():
     """The Laplace update takes the posterior's mode (damped Newton steps), not one undamped step: a
-    round that accepted 3 drafts of 7 verified (the rest labelled with the block model's P) left a single
+    round that accepted 3 drafts of 7 verified (the rest labelled 0.3) left a single
     step's prior model at P = 0.004 for position 1 where it was 0.97, and a request served alone stopped
     drafting for dozens of steps. After the update the model sits at the mode: the objective's gradient
     is zero there, and position 1 is still likely."""
@@ -758,3 +759,24 @@ def test_one_round_does_not_throw_the_prior_model_past_its_labels():
     decay = model.forget**15
     grad = xs.T @ (y.numpy() - p) - decay * 1.0 * (t - before) - (1 - decay) * 1.0 * (t - model.theta0)
     assert np.abs(grad).max() < 1e-3
+
+
+def test_the_prior_model_learns_only_positions_at_risk():
+    """The prior model is P(accepted | every earlier draft accepted): a position after a rejection is not at
+    risk and is left out (the block model's guess there is an extrapolation: a drafter rejected at position
+    1 every round taught the prior that later positions pass, and it kept drafting); positions past the
+    verified ones of a round that accepted all it verified are at risk and learn the block model's P."""
+    from types import SimpleNamespace as NS
+
+    from adaflash.policy_cost import _Pending
+
+    pol = CostPolicy(linear_cost(), 16)
+    x = block_features(np.full((1, 15), 0.9), np.array([0.5]))[0]  # [15, 4]
+    state = lambda rid: NS(req=NS(request_id=rid), rounds=[NS(draft=[0] * 4)])  # noqa: E731  (4 drafts verified)
+    pol.pending = {"a": _Pending(x, np.full(15, 0.7)), "b": _Pending(x, np.full(15, 0.7))}
+    pol.observe([state("a"), state("b")], [1, 4])  # a: rejected at position 2; b: all 4 accepted
+    ((xb, yb),) = pol.block._held  # seen labels only
+    assert yb.tolist() == [1.0, 0.0] + [1.0] * 4
+    ((xp, yp),) = pol.prior._held
+    assert yp.tolist() == [1.0, 0.0] + [1.0] * 4 + [0.7] * 11  # a's positions 3-15 left out; b's 5-15 at risk
+    assert np.array_equal(xp[:, 1], np.log([1, 2, 1, 2, 3, 4, *range(5, 16)]))
