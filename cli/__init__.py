@@ -155,7 +155,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
             raise UsageError(f"--gate-out: {args.config} has no gate: section")
         cfg.gate.out = args.gate_out
     if args.stage == "all":
-        stages = [s for s in STAGES if getattr(cfg, s, True) is not None]  # gate and magpie only with their sections
+        optional = {"gate": cfg.gate, "magpie": cfg.magpie}  # stages that run only with their config section
+        stages = [s for s in STAGES if optional.get(s, True) is not None]
     else:
         stages = [s.strip() for s in args.stage.split(",")]
     bad = [s for s in stages if s not in STAGES]
