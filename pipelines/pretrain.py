@@ -336,6 +336,7 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)  # a run that reuses another's answers_dir starts at `train`
     prompts_dir = run_dir / "prompts"
     timings, summary = {}, {}
+    loaded: tuple[str, Target] | None = None  # the last stage's target: the next stage of its dtype reuses it
     for stage in [s for s in STAGES if s in stages]:
         t0 = time.perf_counter()
         print(f"[adaflash] stage {stage}", flush=True)
@@ -345,7 +346,10 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
             # the frozen target weights the drafter shares: bf16 for sampling and autocast training
             bf16 = "bfloat16" if cfg.train.autocast_bf16 else "float32"
             dtype = {"magpie": cfg.regen.dtype, "regenerate": cfg.regen.dtype, "train": bf16}.get(stage, "float32")
-            target = load_target(cfg.target.source, dtype, device=stage_device(cfg.target.device))
+            if loaded is None or loaded[0] != dtype:  # magpie, regenerate and train share one load (a few s each once the GGUF is dequantised)
+                loaded = target = None  # the old copy goes before the new one loads
+                loaded = (dtype, load_target(cfg.target.source, dtype, device=stage_device(cfg.target.device)))
+            target = loaded[1]
             if stage == "magpie":
                 if cfg.magpie is None:
                     raise ValueError("the magpie stage needs a `magpie:` section (n: user turns to sample)")

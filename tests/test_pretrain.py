@@ -77,9 +77,11 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
     assert (tmp_path / "run" / "training.png").exists()
 
 
-def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path, tiny_hf_dir):
+def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path, tiny_hf_dir, monkeypatch):
     """The GPU recipe (configs/pretrain_smollm2_gpu.yaml) on the CPU: greedy + sampled answers stored
-    as token ids only, training recomputes the target features each step."""
+    as token ids only, training recomputes the target features each step; regeneration and training
+    of one dtype share one target load (a GPU lease pays ~40 s a load)."""
+    import adaflash.pipelines.pretrain as pretrain
     from adaflash.pipelines.pretrain import sample_batch, target_features
 
     from adaflash.target import load_target
@@ -98,7 +100,10 @@ def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path,
     cfg = tiny_config(tmp_path / "gpu-style", str(tiny_hf_dir), max_steps=2)
     cfg.regen.limit_per_domain, cfg.regen.samples, cfg.regen.temperature = 2, 2, 1.0
     cfg.regen.store_features, cfg.train.features = False, "target"
+    loads = []
+    monkeypatch.setattr(pretrain, "load_target", lambda *a, **k: loads.append(a[1]) or load_target(*a, **k))
     run_stages(cfg, ["prompts", "regenerate", "train"])
+    assert loads == ["float32"]  # both stages run float32 here: one load
     answers = tmp_path / "gpu-style" / "run" / "answers"
     rows = [r for f in sorted(answers.glob("answers-*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert not list(answers.glob("*.features.safetensors"))
