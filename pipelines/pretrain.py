@@ -346,7 +346,7 @@ def run_stages(cfg: PretrainConfig, stages: list[str]) -> dict:
             # the frozen target weights the drafter shares: bf16 for sampling and autocast training
             bf16 = "bfloat16" if cfg.train.autocast_bf16 else "float32"
             dtype = {"magpie": cfg.regen.dtype, "regenerate": cfg.regen.dtype, "train": bf16}.get(stage, "float32")
-            if loaded is None or loaded[0] != dtype:  # magpie, regenerate and train share one load (a few s each once the GGUF is dequantised)
+            if loaded is None or loaded[0] != dtype:  # magpie, regenerate and train share one load
                 loaded = target = None  # the old copy goes before the new one loads
                 loaded = (dtype, load_target(cfg.target.source, dtype, device=stage_device(cfg.target.device)))
             target = loaded[1]
