@@ -284,14 +284,23 @@ def test_gpu_continue_recipe_keeps_mtbench_unseen_and_its_scripts_parse(tmp_path
 
 
 def test_regeneration_answers_every_prompt_greedily_before_any_sample():
-    """A time-limited regeneration cuts the last answers: they are sampled ones of every domain, not
-    whole domains of long prompts (each round is still shortest first)."""
+    """A time-limited regeneration cuts the last answers: they are sampled ones, and within a round the
+    same share of every domain, not a whole domain of long prompts (each domain shortest first)."""
     from collections import namedtuple
 
-    from adaflash.pipelines.regenerate import answer_order
+    from adaflash.pipelines.regenerate import answer_order, batches
 
-    rec = namedtuple("Rec", "prompt_id")
-    recs = [rec("long#1"), rec("short")]
+    rec = namedtuple("Rec", "prompt_id domain")
+    recs = [rec("long#1", "code"), rec("short", "code")]
     jobs = [(r, f"{r.prompt_id}#s{j}" if j else r.prompt_id, 0.8 if j else 0.0) for r in recs for j in range(3)]
     order = [answer_id for _, answer_id, _ in answer_order(jobs, {"long#1": 900, "short": 20})]
     assert order == ["short", "long#1", "short#s1", "long#1#s1", "short#s2", "long#1#s2"]
+    # many short chat prompts and a few long code ones: a cut after half the greedy round keeps half of each
+    chat = [rec(f"c{i}", "chat") for i in range(8)]
+    code = [rec(f"k{i}", "code") for i in range(2)]
+    lens = {**{r.prompt_id: 10 + i for i, r in enumerate(chat)}, **{r.prompt_id: 500 + i for i, r in enumerate(code)}}
+    order = answer_order([(r, r.prompt_id, 0.0) for r in chat + code], lens)
+    first = [r.domain for r, _, _ in order[:5]]
+    assert first.count("code") == 1 and [r.prompt_id for r, _, _ in order if r.domain == "chat"] == [f"c{i}" for i in range(8)]
+    # batches keep the padded size within budget whatever the order (count x the longest so far)
+    assert batches([10, 500, 11, 12], 4, 1000) == [(0, 2), (2, 4)]
