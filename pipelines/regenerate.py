@@ -155,15 +155,15 @@ def answer_order(jobs: list[tuple], prompt_len: dict[str, int]) -> list[tuple]:
         rec, answer_id, _ = job
         return int(answer_id.rsplit("#s", 1)[1]) if answer_id != rec.prompt_id else 0
 
-    place = {}
-    by_round: dict[tuple, list] = {}
+    groups: dict[tuple, list] = {}  # (sample round, domain) -> its jobs
     for job in jobs:
-        by_round.setdefault((sample(job), job[0].domain), []).append(job)
-    for group in by_round.values():
+        groups.setdefault((sample(job), job[0].domain), []).append(job)
+    key = {}  # answer id -> (round, band, prompt length)
+    for (rnd, _), group in groups.items():
         group.sort(key=lambda j: prompt_len[j[0].prompt_id])
-        for rank, job in enumerate(group):
-            place[job[1]] = int(ORDER_BANDS * (rank + 0.5) / len(group))
-    return sorted(jobs, key=lambda j: (sample(j), place[j[1]], prompt_len[j[0].prompt_id]))
+        for rank, (rec, answer_id, _) in enumerate(group):
+            key[answer_id] = (rnd, int(ORDER_BANDS * (rank + 0.5) / len(group)), prompt_len[rec.prompt_id])
+    return sorted(jobs, key=lambda j: key[j[1]])
 
 
 def regen_engine(target: Target, batch_size: int, longest: int, max_batch_tokens: int | None = None, keep_features: bool = True) -> Engine:

@@ -80,7 +80,7 @@ def test_pipeline_end_to_end_and_resume(tmp_path, tiny_hf_dir):
 def test_sampled_answers_without_features_train_on_recomputed_features(tmp_path, tiny_hf_dir, monkeypatch):
     """The GPU recipe (configs/pretrain_smollm2_gpu.yaml) on the CPU: greedy + sampled answers stored
     as token ids only, training recomputes the target features each step; regeneration and training
-    of one dtype share one target load (a GPU lease pays ~40 s a load)."""
+    of one dtype share one target load."""
     import adaflash.pipelines.pretrain as pretrain
     from adaflash.pipelines.pretrain import sample_batch, target_features
 
