@@ -317,7 +317,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         rows = shift_bench(
             target.model, drafter, head, before, after, methods, concurrency[0], args.max_new_tokens, target.eos_ids,
-            args.token_budget, size, shift, (args.lookup_len, args.lookup_min_ngram),
+            args.token_budget, size, shift, (args.lookup_len, args.lookup_min_ngram), args.repeats,
         )  # fmt: skip
         write_shift(rows, {**meta, "concurrency": concurrency[0], "round_size": size}, Path(args.out))
         print((Path(args.out) / "shift.md").read_text())

@@ -551,54 +551,90 @@ def shift_bench(
     round_size: int,
     rounds: tuple[int, int] = (2, 4),
     lookup: tuple[int, int] = (4, 2),
+    repeats: int = 1,
 ) -> list[dict]:
     """A domain shift served live: `rounds[0]` rounds of `round_size` requests from `before`, then
     `rounds[1]` rounds from `after`, each method on ONE engine for the whole traffic (its policy keeps
     what it learnt, as a server's does; the drafter never changes), the methods of a round in lockstep
-    (`lockstep`, the first one rotated per round). -> one row per method and round: tok/s, tau, the share of undrafted rounds
-    (verify length 1) and the ratio to `ar` in the same round."""
+    (`lockstep`, the first one rotated per round). `repeats`: the whole traffic served again that many
+    times, each time on fresh engines (a policy starts from scratch) with the step order shuffled anew:
+    a round of a few seconds moves by several percent from run to run, so one run cannot tell 0.97x from
+    1.0x. -> one row per method and round: tok/s, tau, the share of undrafted rounds (verify length 1)
+    and the ratio to `ar` in the same round, medians over the repeats (every repeat's in `*_runs`)."""
     need = {"before": rounds[0] * round_size, "after": rounds[1] * round_size}
     short = [f"{k}: {need[k]} needed, {len(v)} given" for k, v in (("before", before), ("after", after)) if len(v) < need[k]]
     if short:
         raise ValueError(f"too few prompts for the shift's rounds ({'; '.join(short)})")
-    engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     plan = [(before, i, None) for i in range(rounds[0])] + [(after, i, i + 1) for i in range(rounds[1])]
+    runs: dict[tuple[int, str], list[dict]] = {}  # (round, method) -> one measurement per repeat
+    bar = tqdm(total=repeats * len(plan), desc="shift", unit="round")
+    for rep in range(repeats):
+        engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
+        for r, (prompts, i, _) in enumerate(plan):
+            chunk = prompts[i * round_size : (i + 1) * round_size]
+            k = (r + rep) % len(methods)
+            order = methods[k:] + methods[:k]
+            reqs = {m: [Request(f"{m}-x{rep}-r{r}-{j}", p.ids, max_new) for j, p in enumerate(chunk)] for m in order}
+            done, walls, _ = lockstep({m: engines[m] for m in order}, reqs, seed=rep)
+            here = {}
+            for m in order:
+                states = done[m]
+                tokens, n_rounds = sum(len(s.out) for s in states), sum(len(s.rounds) for s in states)
+                here[m] = {
+                    "tokens_per_s": tokens / walls[m],
+                    "committed_tokens": tokens,
+                    "tau": (tokens - len(states)) / max(1, n_rounds),
+                    "undrafted_rounds": sum(rd.verify_len == 1 for s in states for rd in s.rounds) / max(1, n_rounds),
+                }
+            for m in methods:
+                here[m]["speedup_vs_ar"] = here[m]["tokens_per_s"] / here["ar"]["tokens_per_s"] if "ar" in here else None
+                runs.setdefault((r, m), []).append(here[m])
+            bar.update(1)
+    bar.close()
     rows = []
-    for r, (prompts, i, since) in enumerate(tqdm(plan, desc="shift", unit="round")):
-        chunk = prompts[i * round_size : (i + 1) * round_size]
-        k = r % len(methods)
-        here = {}
-        order = methods[k:] + methods[:k]
-        done, walls, _ = lockstep(
-            {m: engines[m] for m in order}, {m: [Request(f"{m}-r{r}-{j}", p.ids, max_new) for j, p in enumerate(chunk)] for m in order}
-        )
-        for m in order:
-            states, wall = done[m], walls[m]
-            tokens, n_rounds = sum(len(s.out) for s in states), sum(len(s.rounds) for s in states)
-            here[m] = {
-                "method": m,
-                "round": r + 1,
-                "domain": chunk[0].domain,
-                "after_shift": since,
-                "tokens_per_s": tokens / wall,
-                "committed_tokens": tokens,
-                "tau": (tokens - len(states)) / max(1, n_rounds),
-                "undrafted_rounds": sum(rd.verify_len == 1 for s in states for rd in s.rounds) / max(1, n_rounds),
-            }
+    for r, (prompts, i, since) in enumerate(plan):
         for m in methods:
-            here[m]["speedup_vs_ar"] = here[m]["tokens_per_s"] / here["ar"]["tokens_per_s"] if "ar" in here else None
-            rows.append(here[m])
+            rs = runs[(r, m)]
+            ratios = [x["speedup_vs_ar"] for x in rs if x["speedup_vs_ar"] is not None]
+            rows.append(
+                {
+                    "method": m,
+                    "round": r + 1,
+                    "domain": prompts[i * round_size].domain,
+                    "after_shift": since,
+                    "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
+                    "committed_tokens": rs[0]["committed_tokens"],
+                    "tau": statistics.fmean(x["tau"] for x in rs),
+                    "undrafted_rounds": statistics.fmean(x["undrafted_rounds"] for x in rs),
+                    "speedup_vs_ar": statistics.median(ratios) if ratios else None,
+                    "tokens_per_s_runs": [x["tokens_per_s"] for x in rs],
+                    "speedup_runs": ratios,
+                }
+            )
     return rows
 
 
+def _ratio_text(row: dict) -> str:
+    """A shift row's ratio to plain decoding: the median, with the range over repeats where there are several."""
+    if row["speedup_vs_ar"] is None:
+        return "-"
+    runs = row.get("speedup_runs") or []
+    spread = f" [{min(runs):.2f}-{max(runs):.2f}]" if len(runs) > 1 else ""
+    return f"{row['speedup_vs_ar']:.2f}x{spread}"
+
+
 def shift_markdown(rows: list[dict], meta: dict) -> str:
-    """Per round: every method's tok/s, its ratio to plain decoding and its share of undrafted rounds."""
+    """Per round: every method's tok/s, its ratio to plain decoding (median and range over the repeats)
+    and its share of undrafted rounds."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     lines = [
         f"Command: `{meta['command']}`",
         "",
         f"Machine: {meta['machine']}; concurrency {meta['concurrency']}, {meta['round_size']} requests a round, "
-        f"max_new_tokens {meta['max_new_tokens']}; one engine per method for the whole traffic, the drafter unchanged.",
+        f"max_new_tokens {meta['max_new_tokens']}; one engine per method for the whole traffic, the drafter unchanged; "
+        f"{meta.get('repeats', 1)} run(s) of it on fresh engines (tok/s and ratio: medians, [range]; undrafted: mean).",
         "",
         "| round | domain | after the shift | " + " | ".join(f"{m} tok/s (vs ar, undrafted)" for m in methods) + " |",
         "|---|---|---|" + "---|" * len(methods),
@@ -606,11 +642,7 @@ def shift_markdown(rows: list[dict], meta: dict) -> str:
     for rnd in dict.fromkeys(r["round"] for r in rows):
         here = {r["method"]: r for r in rows if r["round"] == rnd}
         first = next(iter(here.values()))
-        cells = [
-            f"{r['tokens_per_s']:.1f} ({'-' if r['speedup_vs_ar'] is None else format(r['speedup_vs_ar'], '.2f')}x, "
-            f"{100 * r['undrafted_rounds']:.0f}%)"
-            for r in (here[m] for m in methods)
-        ]
+        cells = [f"{r['tokens_per_s']:.1f} ({_ratio_text(r)}, {100 * r['undrafted_rounds']:.0f}%)" for r in (here[m] for m in methods)]
         lines.append(f"| {rnd} | {first['domain']} | {first['after_shift'] or '-'} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -621,15 +653,18 @@ def plot_shift(rows: list[dict], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for m in dict.fromkeys(r["method"] for r in rows):
-        pts = [(r["round"], r["speedup_vs_ar"]) for r in rows if r["method"] == m and r["speedup_vs_ar"] is not None]
-        ax.plot(*zip(*pts), marker="o", label=m)
+        pts = [r for r in rows if r["method"] == m and r["speedup_vs_ar"] is not None]
+        x, y = [r["round"] for r in pts], [r["speedup_vs_ar"] for r in pts]
+        runs = [r.get("speedup_runs") or [r["speedup_vs_ar"]] for r in pts]
+        err = [[v - min(rs) for v, rs in zip(y, runs)], [max(rs) - v for v, rs in zip(y, runs)]]  # the range over repeats
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=m)
     first_after = min((r["round"] for r in rows if r["after_shift"]), default=None)
     if first_after is not None:
         ax.axvline(first_after - 0.5, color="gray", ls="--", lw=1)
         ax.text(first_after - 0.45, ax.get_ylim()[1], " shift", va="top", color="gray")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("round of serving")
-    ax.set_ylabel("tokens/s vs plain decoding, same round")
+    ax.set_ylabel("tokens/s vs plain decoding, same round (median, range)")
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(plt, fig, path)

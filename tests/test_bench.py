@@ -190,6 +190,12 @@ def test_bench_shift_serves_two_domains_on_one_engine_per_method(tiny_hf_dir, ti
             here["ar"]["undrafted_rounds"] == 1.0 and here["fixed2"]["undrafted_rounds"] < 0.5
         )  # 1 only where max_new_tokens leaves no draft
     assert "| 3 | poems | 1 |" in (tmp_path / "shift" / "shift.md").read_text() and (tmp_path / "shift" / "shift.png").exists()
+    assert main([*common, "--methods", "ar,cost", "--shift", "math,poems", "--shift-rounds", "1,2", "--repeats", "3"]) == 0
+    rows = json.loads((tmp_path / "shift" / "shift.json").read_text())["rows"]  # each round: three runs on fresh engines
+    assert len(rows) == 6 and all(len(r["speedup_runs"]) == 3 and len(r["tokens_per_s_runs"]) == 3 for r in rows)
+    cost = [r for r in rows if r["method"] == "cost"]
+    assert all(r["speedup_vs_ar"] == sorted(r["speedup_runs"])[1] for r in cost)  # the median
+    assert "x [" in (tmp_path / "shift" / "shift.md").read_text()  # the range beside the median
     assert main([*common, "--methods", "cost", "--shift", "math,poems"]) == 2  # no ar to compare with
     assert main([*common, "--methods", "ar,cost", "--shift", "math,math"]) == 2
     assert main([*common, "--methods", "ar,cost", "--shift", "math,poems", "--shift-rounds", "3,1"]) == 2  # 6 math prompts needed
