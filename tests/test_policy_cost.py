@@ -28,6 +28,7 @@ from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
 from adaflash.policy_cost import (
     AcceptanceModel,
     CostPolicy,
+    Running,
     block_features,
     choose_lengths,
     plan_drafts,
@@ -678,6 +679,43 @@ def test_a_long_prompt_to_extend_does_not_keep_a_request_from_drafting():
         return policy.select(st)
 
     assert all(picks(256)) and not any(picks(2))
+
+
+def test_a_request_that_stopped_drafting_pays_its_pending_context_whole():
+    """The same 8 requests with 400 tokens to extend and 256 to go: new ones draft (the extension spread over
+    their drafted steps), but once they decoded plainly at their last plan, the extension falls whole on the
+    step that would draft them again, so they do not (a probe step drew every such request in at a fraction
+    of its context's cost)."""
+    policy = CostPolicy(staircase_cost(), 16)
+    policy.prior = AcceptanceModel([0.4, 0.0, 0.0], prior=1e6)  # P = 0.6 at every position
+    st = [RequestState(Request(f"r{i}", [1, 2, 3], 256), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
+    for s in st:
+        s.add_context(torch.zeros(400, 4))
+    assert all(policy.select(st))
+    policy._last = None  # plan again
+    for s in st:
+        policy.skipped[s.req.request_id] = 1  # each decoded plainly at its last plan
+    assert not any(policy.select(st))
+
+
+def test_the_traffics_running_acceptance_follows_new_traffic_that_seldom_drafts():
+    """New requests start from the traffic's running acceptance. Where the traffic turns to a domain that
+    hardly drafts, its few labels must soon outweigh the old traffic's many: the global counts hold at most
+    g_max observations, and decay in steps that label nothing (their ratio kept, down to 2 observations)."""
+    run = Running()
+    for _ in range(50):  # old traffic: 16 positions a step, 10 accepted
+        run.tick()
+        run.update(["a"], [10.0], [16.0])
+    assert run.g_seen == run.g_max and run.rate(["new"])[0] == pytest.approx(10 / 16)
+    for _ in range(20):  # steps where nobody drafts: the weight decays, the rate stays
+        run.tick()
+    assert run.rate(["new"])[0] == pytest.approx(10 / 16) and 2.0 <= run.g_seen < 0.2 * run.g_max
+    run.tick()
+    run.update(["b"], [0.0], [2.0])  # one probe of the new traffic, rejected at once
+    assert run.rate(["new"])[0] < 0.5  # 0.61 where the old counts kept their weight
+    for _ in range(200):
+        run.tick()
+    assert run.g_seen == pytest.approx(2.0) and run.g_acc > 0  # never below 2 observations' worth
 
 
 def test_a_prompt_prefilled_in_the_step_does_not_make_drafts_look_cheap():
