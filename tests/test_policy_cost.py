@@ -476,10 +476,14 @@ def test_probes_spend_at_most_their_share_of_the_time():
 
 def test_probes_that_keep_finding_nothing_are_spent_less_often(monkeypatch):
     """Where every probe finds drafting still does not pay, the exploration budget shrinks with the
-    probes' payoff (to PAYOFF_FLOOR of EXPLORE); where probes lead to drafting it keeps its full share."""
+    probes' payoff (to PAYOFF_FLOOR of EXPLORE); so it does where a probe's lucky acceptance makes its
+    request draft at one plan and stop (scored at that plan alone, it counted as paid); where probes lead
+    to lasting drafting it keeps its full share."""
     from adaflash import policy_cost
 
-    def run(pays: bool) -> tuple[float, int]:
+    def run(mode: str) -> tuple[float, int]:
+        """mode: what a probe finds: "nothing" (rejected), "once" (accepted; the request drafts at its next
+        plan, then its text turns unpredictable), "keeps" (accepted, and the text stays predictable)."""
         policy = CostPolicy(staircase_cost(), 16)
         policy.prior = AcceptanceModel([0.0, 0.0, 1.0], prior=1e6)  # pinned: P = running acceptance
         st = [RequestState(Request(f"r{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
@@ -489,18 +493,21 @@ def test_probes_that_keep_finding_nothing_are_spent_less_often(monkeypatch):
         for step in range(1200):
             picks = policy.select(st)
             probes += len(policy.forced) if step >= 600 else 0
-            for i, p in zip(ids, picks):  # a probe's round: all accepted (it pays) or nothing
+            for i, p in zip(ids, picks):
                 if i in policy.forced:
-                    policy.running.acc[i], policy.running.seen[i] = (1e3, 1e3) if pays else (0.0, 1e3)
-                elif p:  # drafted by the plan after a paying probe; then its text turns unpredictable
+                    policy.running.acc[i], policy.running.seen[i] = (0.0, 1e3) if mode == "nothing" else (1e3, 1e3)
+                elif p and mode == "once":
                     policy.running.acc[i], policy.running.seen[i] = 0.0, 1e3
         return policy.payoff, probes
 
-    payoff, late = run(pays=False)
+    payoff, late = run("nothing")
     assert payoff < 2 * policy_cost.PAYOFF_FLOOR
-    assert run(pays=True)[0] > 0.9
+    assert run("once")[0] < 2 * policy_cost.PAYOFF_FLOOR
+    assert run("keeps")[0] > 0.9
+    monkeypatch.setattr(policy_cost, "PAYOFF_PLANS", 1)  # scored at the first plan: a lucky probe counts as paid
+    assert run("once")[0] > 0.9
     monkeypatch.setattr(policy_cost, "PAYOFF_FORGET", 1.0)  # the payoff pinned at 1: probes at their full share
-    assert 0 < late < 0.4 * run(pays=False)[1]
+    assert 0 < late < 0.4 * run("nothing")[1]
 
 
 def test_undrafted_batch_skips_planning_without_changing_a_decision():
