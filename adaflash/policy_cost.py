@@ -198,7 +198,7 @@ class Running:
     g_max: float = 64.0  # the global counts hold at most this many observations (see `tick`)
     acc: dict[str, float] = field(default_factory=dict)
     seen: dict[str, float] = field(default_factory=dict)
-    _labelled: bool = False  # `update` ran since the last `tick`
+    _labelled: bool = field(default=False, init=False, repr=False)  # `update` ran since the last `tick`
 
     def rate(self, ids: list[str]) -> np.ndarray:
         """[R] running conditional acceptance of these requests (float64)."""
