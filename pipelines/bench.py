@@ -617,11 +617,12 @@ def shift_bench(
 
 
 def _ratio_text(row: dict) -> str:
-    """A shift row's ratio to plain decoding: the median, with the range over repeats where there are several."""
+    """A shift row's ratio to plain decoding: the median, with the range over repeats where they differ
+    (plain decoding's own row, 1.00 in every run, gets none)."""
     if row["speedup_vs_ar"] is None:
         return "-"
     runs = row.get("speedup_runs") or []
-    spread = f" [{min(runs):.2f}-{max(runs):.2f}]" if len(runs) > 1 else ""
+    spread = f" [{min(runs):.2f}-{max(runs):.2f}]" if len(runs) > 1 and max(runs) > min(runs) else ""
     return f"{row['speedup_vs_ar']:.2f}x{spread}"
 
 

@@ -195,7 +195,8 @@ def test_bench_shift_serves_two_domains_on_one_engine_per_method(tiny_hf_dir, ti
     assert len(rows) == 6 and all(len(r["speedup_runs"]) == 3 and len(r["tokens_per_s_runs"]) == 3 for r in rows)
     cost = [r for r in rows if r["method"] == "cost"]
     assert all(r["speedup_vs_ar"] == sorted(r["speedup_runs"])[1] for r in cost)  # the median
-    assert "x [" in (tmp_path / "shift" / "shift.md").read_text()  # the range beside the median
+    md = (tmp_path / "shift" / "shift.md").read_text()
+    assert "x [" in md and "1.00x [1.00-1.00]" not in md  # the range beside the median, none for ar against itself
     assert main([*common, "--methods", "cost", "--shift", "math,poems"]) == 2  # no ar to compare with
     assert main([*common, "--methods", "ar,cost", "--shift", "math,math"]) == 2
     assert main([*common, "--methods", "ar,cost", "--shift", "math,poems", "--shift-rounds", "3,1"]) == 2  # 6 math prompts needed
