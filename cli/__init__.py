@@ -283,9 +283,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if any(m in HF_METHODS for m in methods):
         from transformers import AutoModelForCausalLM
 
-        from adaflash.target import gguf_to_hf_dir, packaged_gguf
+        from adaflash.target import gguf_to_hf_dir, source_gguf
 
-        path = gguf_to_hf_dir(packaged_gguf()) if args.target == "smollm2" else args.target
+        gguf = source_gguf(args.target)  # the packaged SmolLM2 or any .gguf: its dequantised HF copy
+        path = gguf_to_hf_dir(gguf) if gguf is not None else args.target
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.model.dtype).eval()
     prompts = _bench_prompts(args, target)
     meta = {
