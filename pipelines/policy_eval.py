@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adaflash.policy_cost import AcceptanceModel, Running, block_features, confidence, prior_features, round_labels
+from adaflash.acceptance import AcceptanceModel, Running, block_features, confidence, prior_features, round_labels
 
 MODELS = {  # name -> initial theta, as CostPolicy starts them
     "prior": [0.0, 0.0, 1.0],

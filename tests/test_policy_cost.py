@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 
+from adaflash.acceptance import AcceptanceModel, Running, block_features, prior_features, round_labels
 from adaflash.cost import (
     LONG_CONTEXT,
     LONG_GRID,
@@ -25,16 +26,7 @@ from adaflash.cost import (
     solve_small,
 )
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
-from adaflash.policy_cost import (
-    AcceptanceModel,
-    CostPolicy,
-    Running,
-    block_features,
-    choose_lengths,
-    plan_drafts,
-    prior_features,
-    round_labels,
-)
+from adaflash.policy_cost import CostPolicy, choose_lengths, plan_drafts
 
 CHEAP = {"a": (0.01, 0.001, 0.0001), "d": (0.0005, 0.0001, 0.00001)}  # a machine where drafts pay if accepted at all
 
