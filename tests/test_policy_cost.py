@@ -559,14 +559,39 @@ def test_overrun_learns_what_drafting_really_costs():
         same.update(0.02, 0.03)
     assert same.k == pytest.approx(1.0, abs=0.01) and same.o == pytest.approx(0.01, abs=0.001)
     # the same drafting steps after three plain ones that took 2 ms over the model: o = 2 ms, and drafting's
-    # 8 ms over its prediction is k's (1.4, shrunk toward 1 by its prior), not o's, though the plain steps
-    # are 100 drafting steps old
+    # 8 ms over its prediction is k's (1.3, shrunk toward 1 by its prior), not o's, though the plain steps
+    # are 30 drafting steps old
     pinned = Overrun()
     for _ in range(3):
         pinned.update(0.0, 0.002)
-    for _ in range(100):
+    for _ in range(30):
         pinned.update(0.02, 0.03)
     assert pinned.o == pytest.approx(0.002, abs=1e-9) and 1.3 < pinned.k < 1.4
+    # one plain step stalled by 355 ms, then only drafting steps (every step looked cheap to draft beside that
+    # o, so no plain step came to correct it): o holds while that step is recent, then the drafting steps
+    # (8 ms over the model plus 1.5x the predicted drafting cost) set both
+    trap = Overrun()
+    trap.update(0.0, 0.355)
+    for i in range(100):
+        e = 0.01 + 0.04 * float(torch.rand(1, generator=g))
+        trap.update(e, 0.008 + 1.5 * e)
+        if i == 10:
+            assert trap.o == pytest.approx(0.355)
+    assert trap.o < 0.02 and 1.2 < trap.k < 1.6
+
+
+def test_steps_that_prefill_a_prompt_leave_the_overrun_alone():
+    """A step that prefilled a prompt overran its model by a second (a first step's one-off work): the plans sink
+    a prompt's cost, so that step must not set o; the decoding step after it does."""
+    policy = CostPolicy(linear_cost(), 16)
+    policy.prompts(1, 200)
+    policy.observe_timing((2, 201, 0.5, 0.0), None)
+    policy.observe_step(0.5 + 1.0)
+    assert policy.overrun.plain == [0.0, 0.0] and policy.overrun.o == 0.0
+    model = policy.cost.verify(2, 2, 0.0)  # what the model said before this step refits it
+    policy.observe_timing((2, 2, 0.05, 0.0), None)
+    policy.observe_step(model + 0.004)
+    assert policy.overrun.o == pytest.approx(0.004, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- offline evaluation
