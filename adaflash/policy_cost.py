@@ -12,8 +12,8 @@ c_ij, each prefix priced by the step-cost curve (flat below the knee where a for
 then linear), finds the best n. Plain decoding is always one of the choices, so the policy can fall
 back to it.
 
-Three acceptance models (`adaflash.acceptance.AcceptanceModel`, logistic regressions refitted on every verified round: the
-labels are free, accepted positions 1, the first rejected 0, later ones unobserved):
+Three acceptance models (`adaflash.acceptance.AcceptanceModel`, logistic regressions refitted on every
+verified round: the labels are free, accepted positions 1, the first rejected 0, later ones unobserved):
 - prompt-lookup chains (`lookup_lengths`): from the position and the request's running chain
   acceptance, the prefix of a request's chain worth verifying; a refused chain leaves the request to
   drafting or plain decoding (one chain token is verified as a probe after 4, 8, .. refusals);
@@ -59,8 +59,6 @@ def mean_context(states) -> float:
 
 
 # ----------------------------------------------------------------------------- the choice
-
-
 def _ranked(values: np.ndarray) -> np.ndarray:
     """Indices of `values` [M] by falling value, ties in index order."""
     return np.argsort(-values, kind="stable")
