@@ -7,14 +7,16 @@ verify-length policy choose how many tokens each request verifies (before drafti
 also leave a request undrafted for the step: `VerifyPolicy.select`, the cost policy's plain-decoding
 fallback), verifies all of them in ONE packed target forward (ragged: no padding to the longest),
 commits accepted + 1 per request and retires finished requests. Requests join and leave between steps. Greedy output equals
-single-request output; sampling is lossless. A request's drafter cache takes the target features of its
+single-request output; sampling is lossless, and a seeded request's text is the target's own seeded sample
+token for token (spec: per-position noise), whatever its rounds. A request's drafter cache takes the target features of its
 new text only when it drafts next (`_extend_context`), so a step where it does not draft costs no drafter work.
 
-Token trees (`tree` N > 0, greedy requests only): a request verifies the N most likely paths through
+Token trees (`tree` N > 0, greedy and seeded requests): a request verifies the N most likely paths through
 its drafter's block (spec.build_tree) as a token tree in the same packed forward (each node attends to
-its ancestors, spec.tree_mask), walks down the accepted path (spec.walk_tree, from one argmax) and keeps only
-that path's K/V; the verify-length policy then decides for sampling requests alone, which verify
-chains (a lossless multi-candidate rule would need candidates drawn from q, not its top tokens).
+its ancestors, spec.tree_mask), walks down the accepted path (spec.walk_tree, from the target's token
+after every node) and keeps only that path's K/V; the verify-length policy then decides for unseeded
+sampled requests alone, which verify chains (a lossless multi-candidate rule for the rejection rule would
+need candidates drawn from q, not its top tokens).
 
 Prompt lookup (`lookup` L > 0): a request whose text ends in an n-gram (at least `lookup_min`
 tokens) that occurred earlier in its prompt or output proposes the up to L tokens that followed it
@@ -42,6 +44,7 @@ returns them; whoever collects them decides how long they live.
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
@@ -56,8 +59,10 @@ from adaflash.buffer import Round, Trajectory
 from adaflash.cost import attention_pairs
 from adaflash.drafter import Drafter
 from adaflash.kvcache import KVCache, KVPool
-from adaflash.spec import build_tree, graft, greedy, lookup_chain, pick, propose, tree_mask, verify, walk_tree
+from adaflash.spec import build_tree, graft, greedy, lookup_chain, noise, pick, propose, tree_mask, verify, walk_tree
 from adaflash.target import TargetModel
+
+ENTROPY = random.Random()  # unseeded sampled requests' generator seeds (tests seed it for repeatable statistics)
 
 
 @dataclass
@@ -66,7 +71,8 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int = 256
     temperature: float = 0.0
-    seed: int = 0
+    seed: int | None = None  # sampling: None = the rejection rule (the most drafts accepted); a seed = the target's
+    # own seeded sample token for token, whatever the verify lengths, batch or drafter (spec: seeded sampling)
     domain: str | None = None
     stop: Callable[[list[int]], int | None] | None = None  # output ids -> keep this many and stop, or None
 
@@ -94,7 +100,7 @@ class RequestState:
     slot: DrafterSlot
     tcache: KVCache | None  # None before admission and once retired
     dcache: KVCache | None
-    gen: torch.Generator
+    gen: torch.Generator | None  # an unseeded sampled request's random draws (the rejection rule)
     context: list[torch.Tensor] = field(default_factory=list)  # target features [n, n*H] not yet in dcache
     context_tokens: int = 0  # rows in `context`, kept as it grows (a policy reads it every step)
     admitted: bool = False  # prefilled (got a first token); stays True after the caches are released
@@ -133,7 +139,7 @@ class _Plan:
     """One running request's round within a step, filled in phase by phase (_plan, _draft, _propose, _verify)."""
 
     st: RequestState
-    kind: str  # "tree" (greedy token tree), "lookup" (verify `chain` instead of drafting), "draft" (a drafter chain), "plain",
+    kind: str  # "tree" (token tree), "lookup" (verify `chain` instead of drafting), "draft" (a drafter chain), "plain",
     # "prefill" (admitted this step: its prompt rides in the step's forward, which gives its first token)
     chain: list[int]  # prompt-lookup proposal ([] = none); a tree grafts it in
     budget: int  # drafts that could still be committed: max_new_tokens - len(out) - 1
@@ -143,7 +149,8 @@ class _Plan:
     rows: int = 0  # block positions whose draft logits are needed (a tree's depth)
     logits: torch.Tensor | None = None  # [rows, Vd] draft logits
     draft: torch.Tensor | None = None  # [k] chain drafts, or [N] tree node tokens
-    q: torch.Tensor | None = None  # [k, V] proposal distribution when sampling
+    q: torch.Tensor | None = None  # [k, V] proposal distribution when sampling unseeded
+    noise: torch.Tensor | None = None  # [k+1, V] a seeded request's noise of the positions a chain verifies
     parents: torch.Tensor | None = None  # [N] tree node parents (0 = the anchor)
     mask: torch.Tensor | None = None  # [N+1, N+1] tree ancestor mask over [anchor, nodes]
 
@@ -432,7 +439,7 @@ class Engine:
                 self.slot,
                 self.pool.take(cap),
                 self.slot.new_cache(cap, self.max_batch) if self.policy.drafts else None,
-                torch.Generator(device=dev).manual_seed(req.seed),
+                torch.Generator(device=dev).manual_seed(ENTROPY.getrandbits(63)) if req.seed is None and req.temperature > 0 else None,
                 t_start=time.perf_counter(),
             )
             st.ema_verify = self.ema_verify_all
@@ -460,7 +467,8 @@ class Engine:
         if self.keep_context:
             st.add_context(feats)
         st.t_first, st.admitted = time.perf_counter(), True
-        self._commit(st, [int(pick(logits[-1], st.req.temperature, st.gen))])
+        e = self._noise(st, 1)
+        self._commit(st, [int(pick(logits[-1], st.req.temperature, st.gen, None if e is None else e[0]))])
 
     def step(self) -> list[RequestState]:
         """One engine step; returns the requests that finished in it, their KV caches released (the engine
@@ -482,12 +490,12 @@ class Engine:
         return done
 
     def _plan(self, st: RequestState) -> _Plan:
-        """How this request's round goes: a greedy request of a tree engine verifies a token tree (with
+        """How this request's round goes: a greedy or seeded request of a tree engine verifies a token tree (with
         its lookup chain grafted in); otherwise a lookup chain replaces drafting, or the drafter drafts."""
         if not st.admitted:
             return _Plan(st, "prefill", [], 0, verify_len=len(st.req.prompt_ids))
         budget = st.req.max_new_tokens - len(st.out) - 1  # drafts that could still be committed
-        tree = self.tree > 0 and st.req.temperature <= 0
+        tree = self.tree > 0 and st.gen is None
         chain = []
         if self.lookup:
             n = min(self.lookup, budget, self.k_blk - 1) if tree else min(self.lookup, budget)
@@ -650,10 +658,12 @@ class Engine:
                 p.verify_len = 1 + len(tokens)
             elif p.kind == "lookup":
                 p.draft = torch.tensor(p.chain[: p.verify_len - 1], dtype=torch.long, device=dev)  # [k]
-                if st.req.temperature > 0:  # a deterministic proposal: q is one-hot on it
+                if st.gen is not None:  # a deterministic proposal: q is one-hot on it
                     p.q = torch.zeros(len(p.draft), vocab_size, device=dev).scatter_(1, p.draft[:, None], 1.0)  # [k, V]
             elif p.kind == "draft" and p.verify_len > 1:
-                p.draft, p.q = propose(p.logits, st.req.temperature, st.gen, dr.vocab, dr.vocab_size)  # [k], [k, V] or None
+                p.noise = self._noise(st, p.verify_len)  # [k+1, V] or None: the target samples with it too
+                e = None if p.noise is None else p.noise[:-1]
+                p.draft, p.q = propose(p.logits, st.req.temperature, st.gen, dr.vocab, dr.vocab_size, e)  # [k], [k, V] or None
             elif p.kind == "plain":
                 p.verify_len = 1
 
@@ -662,8 +672,13 @@ class Engine:
         K/V in the target cache, record the round and commit; -> those inputs' features [1 + n, n*H]."""
         st = p.st
         if p.mask is not None:
-            best = greedy(logits).tolist()  # [N+1] the target's token after the anchor and each node
-            path, nxt = walk_tree(p.draft, p.parents, best)
+            best = greedy(logits)  # [N+1] the target's greedy token after the anchor and each node (the record)
+            chosen = best
+            if st.req.temperature > 0:  # seeded: a node's token lands at len(out) + its depth
+                depth = p.mask.sum(-1) - 1  # [N+1]
+                chosen = pick(logits, st.req.temperature, None, self._noise(st, int(depth.max()) + 1)[depth])
+            best = best.tolist()
+            path, nxt = walk_tree(p.draft, p.parents, chosen.tolist())
             keep = [0] + path  # the anchor, then the accepted nodes
             st.tcache.keep(st.tcache.length - p.verify_len, keep)
             tokens, parents = p.draft.tolist(), p.parents.tolist()
@@ -673,7 +688,8 @@ class Engine:
             target = [best[i] for i in keep[: len(walked)]]  # the target's token after each one's parent
         else:
             k = p.verify_len - 1
-            n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen)
+            e = p.noise if p.noise is not None else self._noise(st, p.verify_len)
+            n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen, e)
             st.tcache.crop(st.tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
             keep = list(range(1 + n))
             draft = p.draft.tolist()
@@ -696,6 +712,12 @@ class Engine:
         self.stats["committed"] += len(st.out) - before
         st.ema_verify = (1 - self.ema_alpha) * st.ema_verify + self.ema_alpha * p.verify_len
         return feats[keep]
+
+    def _noise(self, st: RequestState, n: int) -> torch.Tensor | None:
+        """[n, V] a seeded sampled request's noise of its next n token positions (from len(out)); else None."""
+        if st.req.temperature <= 0 or st.gen is not None:
+            return None
+        return noise(st.req.seed, len(st.out), n, self.target.config.vocab_size).to(self.target.lm_head.weight.device)
 
     @staticmethod
     def _draft_logits(plans: list[_Plan]) -> None:
@@ -737,7 +759,7 @@ class Engine:
             st.req.request_id, writer_id, st.slot.version, list(st.req.prompt_ids), list(st.out), rounds, domain=st.req.domain
         )
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> RequestState:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> RequestState:
         """Single-request generation: one request through the (idle) engine, stepped until it finishes."""
         (st,) = self.run([Request("generate", list(prompt_ids), max_new_tokens, temperature, seed)])
         return st
@@ -764,7 +786,7 @@ def single_request_engine(
 ) -> Engine:
     """The engine as single-request generation runs it (batch 1, no token budget below the context):
     plain decoding without a drafter; else a chain of `verify_len` tokens (default the whole block) or,
-    for greedy requests, a token tree of `tree` nodes with a prompt-lookup branch of up to `lookup` tokens
+    for greedy and seeded requests, a token tree of `tree` nodes with a prompt-lookup branch of up to `lookup` tokens
     grafted in (matches of `lookup_min`..3 tokens)."""
     policy = ARPolicy() if drafter is None else FixedPolicy(verify_len)
     ctx = target.config.max_position_embeddings

@@ -11,6 +11,15 @@ Sampling (temperature T > 0): with q_j the drafter's distribution at position j 
 d_j with probability min(1, p_{j-1}(d_j) / q_j(d_j)); at the first rejection sample from the
 normalised residual max(0, p_{j-1} - q_j); if all k are accepted sample the bonus from p_k. Every
 committed token is then distributed exactly as the target's own sample (Leviathan et al., 2023).
+
+Seeded sampling (a request with a seed) is made reproducible whatever the rounds: every token position t
+has its own exponential noise E_t over the vocabulary, a hash of (seed, t) (`noise`), and the token at t
+is always argmax p_t / E_t (the Gumbel-max trick: distributed as p_t). The drafter drafts argmax q_t / E_t
+with the same noise, and drafts are accepted while they equal the target's tokens, as greedy verifies.
+The text is then the target's own seeded sample token for token, however verify lengths, batches,
+drafter versions, prompt lookup or trees cut the rounds. Such a draft is accepted with probability at
+least (1 - TV) / (1 + TV) against the rejection rule's 1 - TV (TV(p, q): total variation; in `adaflash
+bench` at T = 0.7, tau 1-5% lower), so unseeded requests keep the rejection rule.
 """
 
 from __future__ import annotations
@@ -32,17 +41,54 @@ def sample(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
 
 
+_MASK, _GOLDEN = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scatters nearby inputs."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int32 tensors (products wrap; right shifts masked to be logical)."""
+    x = (x ^ ((x >> 16) & 0xFFFF)) * 0x21F0AAAD
+    x = (x ^ ((x >> 15) & 0x1FFFF)) * 0x735A2D97
+    return x ^ ((x >> 15) & 0x1FFFF)
+
+
+def noise(seed: int, start: int, n: int, vocab: int) -> torch.Tensor:
+    """[n, vocab] float32 Exp(1) noise of token positions start..start+n-1 of a request seeded `seed`
+    (any 64-bit integer): a counter-based hash of (seed, position, token id), so a position's noise never
+    depends on which round, step or batch drew it."""
+    key = _mix64(seed & _MASK)
+    rows = [_mix64((key + (t + 1) * _GOLDEN) & _MASK) & 0xFFFFFFFF for t in range(start, start + n)]
+    rows = torch.tensor([r - (1 << 32) if r >= 1 << 31 else r for r in rows], dtype=torch.int32)  # [n] as int32
+    ids = torch.arange(vocab, dtype=torch.int32) * -1640531535  # [vocab] 0x9E3779B1 * id, wrapped
+    x = _mix32(_mix32(rows[:, None] ^ ids[None]))  # [n, vocab]
+    u = ((x >> 8) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)  # [n, vocab] 24-bit uniforms in (0, 1)
+    return u.log_().neg_()
+
+
+def gumbel_pick(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """[..., V] probabilities, [..., V] Exp(1) noise -> [...] argmax p / e: a sample of p, fixed by e."""
+    return (p / e.to(p.device)).max(-1).indices
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim [..., V] -> [...]: `max`'s indices, the same first maximum, and 3x faster
     than `argmax` on a CPU (128 rows of SmolLM2's 49,152 logits: 1.9 vs 6.1 ms; a c=32 verify step does this)."""
     return logits.max(-1).indices
 
 
-def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token from [..., V] logits: argmax at temperature 0, else a sample."""
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None, e: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token from [..., V] logits: argmax at temperature 0, else a sample (fixed by the noise e
+    [..., V] of a seeded request)."""
     if temperature <= 0:
         return greedy(logits)
-    return sample(probs(logits, temperature), generator)
+    p = probs(logits, temperature)
+    return sample(p, generator) if e is None else gumbel_pick(p, e)
 
 
 def accepted_length(draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -93,14 +139,17 @@ def propose(
     generator: torch.Generator | None,
     vocab: torch.Tensor | None = None,
     vocab_size: int = 0,
+    e: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One request's drafts from its drafter logits [k, Vd] -> (draft ids [k], q [k, V] or None when greedy).
+    """One request's drafts from its drafter logits [k, Vd] -> (draft ids [k], q [k, V] or None when greedy
+    or seeded: a seeded request drafts with the noise e [k, V] of the positions drafted, which the target
+    samples with too).
 
     `vocab` [Vd]: the full ids of the logits' columns when the drafter drafts from a subset of the
     target's `vocab_size` tokens; q is then scattered back to the full vocabulary, zero outside the
     subset, so the rejection rule sees a proper distribution over the target's vocabulary."""
-    if temperature <= 0:
-        j = greedy(draft_logits)
+    if temperature <= 0 or e is not None:
+        j = pick(draft_logits, temperature, None, None if e is None else e if vocab is None else e[:, vocab])
         return (j if vocab is None else vocab[j]), None
     q = probs(draft_logits, temperature)  # [k, Vd]
     j = torch.multinomial(q, 1, generator=generator)[:, 0]
@@ -111,15 +160,22 @@ def propose(
 
 
 def verify(
-    draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+    draft: torch.Tensor,
+    q: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    e: torch.Tensor | None = None,
 ) -> tuple[int, int, list[int]]:
-    """One request's round: draft [k], target_logits [k+1, V] -> (accepted drafts, next token, the target's
-    greedy token after each of the first k inputs: what the round record keeps, from the same argmax that
-    greedy verification takes; one argmax over 49,152 logits per row is not free on a CPU)."""
-    if temperature <= 0:
-        best = greedy(target_logits)[None]  # [1, k+1]
-        n, nxt = accept_greedy(draft[None], best)
-        return int(n[0]), int(nxt[0]), best[0, :-1].tolist()
+    """One request's round: draft [k], target_logits [k+1, V], a seeded request's noise e [k+1, V] ->
+    (accepted drafts, next token, the target's greedy token after each of the first k inputs: what the
+    round record keeps, from the same argmax that greedy verification takes; one argmax over 49,152
+    logits per row is not free on a CPU)."""
+    if temperature <= 0 or e is not None:
+        best = greedy(target_logits)  # [k+1]
+        chosen = best if e is None else pick(target_logits, temperature, None, e)  # [k+1] the target's own tokens
+        n, nxt = accept_greedy(draft[None], chosen[None])
+        return int(n[0]), int(nxt[0]), best[:-1].tolist()
     target = greedy(target_logits[:-1]).tolist()
     if draft.numel() == 0:  # nothing drafted: a plain sampled step
         return 0, int(pick(target_logits[-1], temperature, generator)), target
@@ -127,15 +183,16 @@ def verify(
     return int(n[0]), int(nxt[0]), target
 
 
-# --------------------------------------------------------------------------- tree verification (greedy)
+# --------------------------------------------------------------------------- tree verification (greedy and seeded)
 #
 # A block drafter gives one distribution per block position, each conditioned on the context alone
 # (not on the drafts before it). A round may therefore verify several candidates per position at once:
 # a token tree whose root is the anchor, where a node at depth j holds one of the top candidates of
 # position j. One target forward over all nodes, each attending to the cache and its own ancestors
 # (RoPE position = depth), gives the target's next-token logits after every path; greedy acceptance
-# walks down from the root, taking the child that equals the target's argmax. Output is unchanged:
-# every committed token is the target's own argmax after the committed text before it.
+# walks down from the root, taking the child that equals the target's argmax (a seeded sampled request:
+# its sample with the noise of the node's depth). Output is unchanged: every committed token is the
+# target's own token after the committed text before it.
 
 
 def build_tree(

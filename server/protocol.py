@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -114,7 +113,7 @@ class GenParams:
     prompt_ids: list[int]
     max_tokens: int
     temperature: float
-    seed: int
+    seed: int | None  # None: unseeded (the engine samples with the rejection rule)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -246,7 +245,7 @@ def parse_request(body: dict, chat: bool, limits: Limits, encode_chat: Callable,
         ids,
         max_tokens,
         float(temperature),
-        secrets.randbits(31) if seed is None else seed,
+        seed,
         stops,
         bool(body.get("stream")),
         bool(opts.get("include_usage")),

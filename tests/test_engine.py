@@ -1,5 +1,6 @@
 """Batched engine: equals single-request generation (the engine at batch 1; greedy and sampling), every
-policy lossless, token trees and prompt lookup batched, requests joining mid-flight, the token budget holds."""
+policy lossless, a seeded sampled request is the target's own seeded sample whatever cuts its rounds,
+token trees and prompt lookup batched, requests joining mid-flight, the token budget holds."""
 
 from __future__ import annotations
 
@@ -233,17 +234,23 @@ def test_prompt_lookup_in_the_engine_is_lossless_and_replays_lookup_chain(policy
     assert sum(rd.accepted for s in states for rd in s.rounds if rd.source == "lookup") > 0
 
 
-def test_prompt_lookup_sampling_keeps_target_distribution():
-    """Tokens 2 and 3 of every request come from one lookup round (a deterministic proposal: q one-hot);
+@pytest.mark.parametrize("seeded", [True, False])
+def test_prompt_lookup_sampling_keeps_target_distribution(seeded):
+    """Tokens 2 and 3 of every request come from one lookup round (a deterministic proposal: q one-hot
+    for the rejection rule of unseeded requests; seeded ones compare it with the target's own sample);
     their empirical distributions must match the target's exact marginals (chi-square, p = 0.001)."""
     from test_generate import _marginals
+
+    from adaflash import engine as E
+
+    E.ENTROPY.seed(0)  # unseeded requests' generators: repeatable statistics
 
     vocab = 8
     target = tiny_target(5, vocab=vocab, layers=2, std=0.25)
     prompt = [1, 5, 2, 0, 3, 4, 6, 7]  # every token occurs, so the first output token always has a match
     m2, m3 = _marginals(target, prompt, vocab)
     n = 1500
-    reqs = [Request(f"s{i}", prompt, max_new_tokens=4, temperature=1.0, seed=i) for i in range(n)]
+    reqs = [Request(f"s{i}", prompt, max_new_tokens=4, temperature=1.0, seed=i if seeded else None) for i in range(n)]
     engine = Engine(target, None, ARPolicy(), eos_ids=[], max_batch=100, token_budget=2000, lookup=2, lookup_min=1)
     states = engine.run(reqs)
     assert all(s.rounds[0].source == "lookup" for s in states)
@@ -268,8 +275,8 @@ def test_lookup_arguments_are_checked():
 def test_batched_trees_with_lookup_are_lossless_and_batch_invariant(budget):
     """A tree engine with prompt lookup, greedy and sampling requests mixed: greedy output equals plain
     decoding and each greedy request accepts exactly what it accepts alone (the tree masks and the kept
-    paths of one request do not leak into another's); sampling requests verify chains, the same tokens
-    as alone. A tight token budget trims trees (and still holds). Tree rounds reach the trajectory buffer
+    paths of one request do not leak into another's); seeded sampling requests verify trees too, the
+    same tokens as alone. A tight token budget trims trees (and still holds). Tree rounds reach the trajectory buffer
     as the path the walk took: accepted drafts equal the target's, the next one differs."""
     target = tiny_target(7, std=0.15)  # falls into loops that lookup predicts
     drafter = tiny_drafter(target, 7)
@@ -373,3 +380,33 @@ def test_random_decisions_in_lockstep_with_plain_decoding_are_lossless(seed):
         ref = greedy_reference(target, p, n, [5])
         assert outs["ar"][str(i)] == ref and outs["x"][str(i)] == ref, (i, outs["x"][str(i)], ref)
     assert engines["x"].stats["max_step_tokens"] <= budget
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_seeded_sampling_is_the_targets_own_seeded_sample(seed):
+    """A seeded sampled request's text is plain sampled decoding's with the same seed, token for token,
+    whatever cuts its rounds: the block or 3 tokens verified, EMA, random and cost-chosen lengths and
+    plain steps, batch neighbours and a tight token budget, trees and prompt lookup. Drafts are accepted
+    on the way (not a run of plain steps), and another seed gives another text."""
+    from test_policy_cost import CHEAP, linear_cost
+
+    from adaflash.policy_cost import CostPolicy
+
+    target = tiny_target(seed, std=0.15)
+    drafter = tiny_drafter(target, seed)
+    reqs = make_requests(5, seed, temperature=0.9)
+    plain = [s.out for s in Engine(target, None, ARPolicy(), eos_ids=[5], max_batch=1).run(reqs)]
+    engines = {
+        "fixed": Engine(target, drafter, FixedPolicy(), eos_ids=[5], max_batch=3),
+        "fixed3-budget": Engine(target, drafter, FixedPolicy(3), eos_ids=[5], max_batch=4, token_budget=14),
+        "ema": Engine(target, drafter, EMAPolicy(), eos_ids=[5], max_batch=2),
+        "random-lookup": Engine(target, drafter, RandomPolicy(seed), eos_ids=[5], max_batch=5, lookup=3),
+        "cost": Engine(target, drafter, CostPolicy(linear_cost(**CHEAP), drafter.block_size), eos_ids=[5], max_batch=3),
+        "tree-lookup": Engine(target, drafter, FixedPolicy(), eos_ids=[5], max_batch=3, tree=5, lookup=4),
+    }
+    for name, engine in engines.items():
+        states = engine.run(reqs)
+        assert [s.out for s in states] == plain, name
+        assert sum(rd.accepted for s in states for rd in s.rounds) > 0, name
+    reseeded = [Request("x", r.prompt_ids, r.max_new_tokens, 0.9, 7) for r in reqs]
+    assert [s.out for s in Engine(target, None, ARPolicy(), eos_ids=[5], max_batch=1).run(reseeded)] != plain

@@ -1,5 +1,6 @@
-"""The speculative core on a CUDA device: same greedy tokens as on CPU, sampling runs with a device
-generator. Skipped where no GPU is present (this CI machine); run on a GPU host with `pytest -m gpu`."""
+"""The speculative core on a CUDA device: same greedy tokens and seeded samples as on CPU, unseeded
+sampling runs with a device generator, the cost policy calibrates there. Skipped where no GPU is
+present (this CI machine); run on a GPU host with `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 from conftest import greedy_reference, tiny_drafter, tiny_target
 
-from adaflash.engine import Engine, FixedPolicy, Request, single_request_engine
+from adaflash.engine import ARPolicy, Engine, FixedPolicy, Request, single_request_engine
+from adaflash.policy_cost import CostPolicy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -25,8 +27,13 @@ def test_engine_and_generate_on_cuda_match_cpu():
     states = Engine(gt, gd, FixedPolicy(), eos_ids=[], max_batch=3).run(reqs)
     assert [s.out for s in states] == cpu
     assert single_request_engine(gt, gd, [], tree=4, lookup=4).generate(reqs[0].prompt_ids, 20).out == cpu[0]  # trees on the GPU
-    sampled = Engine(gt, gd, FixedPolicy(), eos_ids=[]).run([Request("s", [1, 2, 3], 20, temperature=0.8, seed=3)])
-    assert len(sampled[0].out) == 20
+    seeded = Request("s", [1, 2, 3], 20, temperature=0.8, seed=3)  # the target's own seeded sample on either device
+    sampled = Engine(gt, gd, FixedPolicy(), eos_ids=[]).run([seeded])
+    assert sampled[0].out == Engine(target, None, ARPolicy(), eos_ids=[]).run([seeded])[0].out
+    unseeded = Engine(gt, gd, FixedPolicy(), eos_ids=[]).run([Request("u", [1, 2, 3], 20, temperature=0.8)])  # a device generator
+    assert len(unseeded[0].out) == 20
+    cost = Engine(gt, gd, CostPolicy.for_models(gt, gd), eos_ids=[], max_batch=3).run(reqs)  # calibrated on the GPU
+    assert [s.out for s in cost] == cpu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
