@@ -294,13 +294,15 @@ def known_policy(name: str) -> bool:
 
 
 def make_policy(name: str, head=None, target: TargetModel | None = None, drafter: Drafter | None = None) -> VerifyPolicy:
-    """The verify policy called `name` (POLICY_NAMES): fixedK verifies K tokens; auto is the length head
-    when the drafter has one (`head`), else fixed; cost calibrates (or reads the cached) step costs of
-    `target` and `drafter`."""
+    """The verify policy called `name` (POLICY_NAMES): fixedK verifies K tokens; cost calibrates (or reads
+    the cached) step costs of `target` and `drafter`; auto is cost for a target on a CPU (ahead of the
+    length head in 9 of 10 bench cells there, docs/benchmarks.md), elsewhere (cost not yet measured on a
+    GPU) the length head where the drafter has one, else fixed."""
     if not known_policy(name):
         raise ValueError(f"unknown verify policy {name!r}; valid: {POLICY_NAMES}")
     if name == "auto":
-        name = "head" if head is not None else "fixed"
+        on_cpu = target is not None and drafter is not None and target.lm_head.weight.device.type == "cpu"
+        name = "cost" if on_cpu else "head" if head is not None else "fixed"
     return FixedPolicy(int(name[5:])) if name not in POLICIES else POLICIES[name](head, target, drafter)
 
 

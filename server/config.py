@@ -24,7 +24,7 @@ class ModelSection:
     drafter: str = str(DEFAULT_DRAFTER)  # drafter directory (config.json + model.safetensors [+ length head])
     drafter_dtype: str = "auto"  # auto: bf16 where this CPU runs it fast
     drafter_version: str = "0"  # version label of the initial drafter (the registry's after a hot-swap)
-    policy: str = "auto"  # auto (head if the drafter dir has a length head, else fixed) | head | cost | fixed[K] | ema | ar
+    policy: str = "auto"  # auto (cost on a CPU; on a GPU head where the drafter has one, else fixed) | head | cost | fixed[K] | ema | ar
 
     def __post_init__(self):
         if not self.name.strip():

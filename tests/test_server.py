@@ -160,7 +160,7 @@ def test_metrics_parse_and_count(server):
     assert value("adaflash_generated_tokens") >= 8 and value("adaflash_requests", finish_reason="length") >= 1
     assert value("adaflash_trajectory_rows") >= 1 and value("adaflash_ready") == 1
     assert value("adaflash_tau") >= 1 and 1 <= value("adaflash_verify_tokens_per_step") <= 4
-    assert value("adaflash_drafter_info", version="0", policy="fixed") == 1
+    assert value("adaflash_drafter_info", version="0", policy="cost") == 1  # auto: the cost policy
     assert value("adaflash_drafter_swaps") == 0 and value("adaflash_registry_refused_versions") == 0
     assert fams["adaflash_time_to_first_token_seconds"].type == "histogram"
 
@@ -191,7 +191,7 @@ def test_registry_down_keeps_serving(target, tiny_hf_dir, tiny_drafter_dir, tmp_
 
 
 def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, tmp_path, monkeypatch):
-    """auto: the length head when the drafter dir has one, else fixed; explicit policies as named."""
+    """auto: the cost policy, with or without a length head in the drafter dir; explicit policies as named."""
     import shutil
 
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))  # the cost policy's calibration
@@ -206,8 +206,9 @@ def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, t
     built = lambda drafter, policy: build_engine(  # noqa: E731
         serve_config(tiny_hf_dir, drafter, tmp_path, model={"policy": policy}), target
     )
-    assert built(tiny_drafter_dir, "auto").policy.name == "fixed"
-    engine = built(with_head, "auto")
+    assert built(tiny_drafter_dir, "auto").policy.name == "cost"
+    assert built(with_head, "auto").policy.name == "cost"
+    engine = built(with_head, "head")
     assert engine.policy.name == "head" and engine.slot.head is not None
     assert built(tiny_drafter_dir, "fixed2").policy.k == 2 and built(tiny_drafter_dir, "ema").policy.name == "ema"
     assert built(tiny_drafter_dir, "ar").drafter is None

@@ -56,7 +56,7 @@ def test_chat_greedy_equals_plain_decoding(served, target):
     assert r.choices[0].finish_reason == ("stop" if ids[-1] in target.eos_ids else "length")
     assert r.usage.prompt_tokens == len(target.encode_chat(MESSAGES)) and r.usage.completion_tokens == len(ids)
     stats = r.model_extra["adaflash"]
-    assert stats["drafter_version"] == "0" and stats["policy"] == "fixed"
+    assert stats["drafter_version"] == "0" and stats["policy"] == "cost"  # auto: the cost policy
     assert stats["target_forwards"] == stats["rounds"] + 1 and sum(stats["accepted"]["histogram"]) == stats["rounds"]
     assert stats["tau"] == pytest.approx((len(ids) - 1) / stats["rounds"], abs=1e-3)
     finished[r.id] = (ids, "math")
