@@ -90,10 +90,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     on_cpu = target.model.lm_head.weight.device.type == "cpu"
     verify_len = args.verify_len or (CPU_VERIFY_LEN if on_cpu else None)
     tree = args.tree
-    if tree is None:  # default: the fastest measured setting on a CPU, greedy only
-        tree = CPU_TREE if on_cpu and args.temperature == 0 and args.verify_len is None else 0
+    if tree is None:  # default: the fastest measured setting on a CPU
+        tree = CPU_TREE if on_cpu and args.verify_len is None else 0
     if args.lookup and not tree:
-        raise UsageError("--lookup grafts a prompt-lookup branch into a token tree: greedy decoding with --tree N (the CPU default) only")
+        raise UsageError("--lookup grafts a prompt-lookup branch into a token tree: with --tree N (the CPU default) only")
     lookup = (LOOKUP if args.lookup is None else args.lookup) if tree else 0
     if drafter is None:
         tree = lookup = 0
@@ -215,6 +215,8 @@ def _shift_args(args: argparse.Namespace, methods: list[str], concurrency: list[
         )
     if len(concurrency) != 1 or "ar" not in methods or any(is_peer(m) for m in methods):
         raise UsageError("--shift runs one --concurrency, engine methods only, and needs ar among --methods (the per-round ratio)")
+    if args.temperature:
+        raise UsageError("--shift serves greedy traffic: drop --temperature")
     args.domains = ",".join(pair)
     args.n_prompts = max(args.n_prompts, max(rounds) * max(args.min_requests, concurrency[0]))
     return rounds
@@ -272,6 +274,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
     if args.waves < 0:
         raise UsageError(f"--waves must be >= 0, got {args.waves}")
+    if args.temperature < 0 or args.temperature > 0 and [m for m in methods if m in HF_METHODS or is_process_peer(m)]:
+        raise UsageError(
+            f"--temperature {args.temperature}: >= 0, and sampling compares engine methods only (ar, fixed, cost, ...): "
+            "the transformers, vLLM and llama.cpp peers decode greedily here"
+        )
+    if args.unseeded and args.temperature == 0:
+        raise UsageError("--unseeded: sampled requests only; add --temperature T")
     if args.steady and (why := steady_problem(methods, concurrency, args.min_requests, args.waves)):
         raise UsageError(why)  # before the models load
     shift = _shift_args(args, methods, concurrency)
@@ -302,6 +311,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "interleave": args.interleave,
         "steady": args.steady,
         "waves": args.waves,
+        "temperature": args.temperature,
+        "seeded": not args.unseeded,
     }
     if shift:
         from adaflash.pipelines.bench import shift_bench, write_shift
@@ -362,6 +373,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steady=args.steady,
         waves=args.waves,
         llamacpp=llamacpp,
+        sampling=(args.temperature, not args.unseeded),
     )
     write_bench(rows, meta, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
@@ -480,7 +492,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help='JSONL: {"prompt": ...} or {"messages": [...]} per line, optional "domain"')
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (still lossless)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling: the same seed gives the same text, the target's own seeded sample token for token, with "
+        "or without a drafter, at any --verify-len or --tree",
+    )
     g.add_argument(
         "--verify-len",
         type=int,
@@ -492,9 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         type=int,
         default=None,
-        help="greedy only: verify the N most likely draft paths as a token tree (several candidates per "
+        help="verify the N most likely draft paths as a token tree (several candidates per "
         f"block position) in one target forward; accepts more per round than one chain (default: "
-        f"{CPU_TREE} on a CPU when greedy and no --verify-len; 0 = one chain)",
+        f"{CPU_TREE} on a CPU without --verify-len; 0 = one chain)",
     )
     g.add_argument(
         "--lookup",
@@ -578,6 +596,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (engine methods only; 0 = greedy). Requests are seeded by prompt, so every "
+        "method must emit plain decoding's sample token for token (same as ar)",
+    )
+    b.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="with --temperature: unseeded requests, verified by the rejection rule (more drafts accepted than "
+        "seeded ones; outputs are not compared)",
+    )
     b.add_argument("--token-budget", type=int, default=512, help="max verify tokens per engine step (admission bound)")
     b.add_argument("--out", default="runs/bench", help="output folder")
     b.add_argument("--lookup-len", type=int, default=4, help="-lookup methods: longest copied chain verified per round")

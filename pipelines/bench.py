@@ -114,6 +114,14 @@ def make_engine(
     )
 
 
+def bench_requests(tag: str, prompts: list[BenchPrompt], max_new: int, sampling: tuple[float, bool] = (0.0, True)) -> list[Request]:
+    """A cell's requests. `sampling` (temperature, seeded): a seeded request's seed is its prompt's index,
+    the same for every method, so every engine method must emit plain decoding's tokens, sampled or
+    greedy; unseeded sampled requests take the rejection rule (spec) and are compared in throughput only."""
+    temperature, seeded = sampling
+    return [Request(f"{tag}-{i}", p.ids, max_new, temperature, i if seeded else None) for i, p in enumerate(prompts)]
+
+
 def run_engine(
     method: str,
     target,
@@ -125,11 +133,12 @@ def run_engine(
     eos: list[int],
     token_budget: int,
     lookup: tuple[int, int] = (4, 2),
+    sampling: tuple[float, bool] = (0.0, True),
 ) -> dict:
-    """`lookup`: (longest chain, shortest n-gram match) for `-lookup` methods."""
+    """`lookup`: (longest chain, shortest n-gram match) for `-lookup` methods; `sampling`: `bench_requests`."""
     full_vocab = split_method(method)[2]
     engine = make_engine(method, target, drafter, head, concurrency, eos, token_budget, lookup)
-    reqs = [Request(f"{method}-{i}", p.ids, max_new) for i, p in enumerate(prompts)]
+    reqs = bench_requests(method, prompts, max_new, sampling)
     vocab = drafter.vocab if drafter is not None else None
     if full_vocab:
         drafter.set_vocab(None)  # draft from the whole vocabulary (the shared, packed LM head)
@@ -154,6 +163,7 @@ def run_interleaved(
     eos: list[int],
     token_budget: int,
     lookup: tuple[int, int] = (4, 2),
+    sampling: tuple[float, bool] = (0.0, True),
 ) -> dict[str, dict]:
     """Engine methods in lockstep: every method gets the same prompts on its own engine, and the engines
     take one step each in turn until all are done; a method's time is the sum of its own steps. Load
@@ -161,7 +171,7 @@ def run_interleaved(
     runs each meet a different stretch of it. Per-request latencies are left out (a request's wall
     time here includes the other methods' steps)."""
     engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
-    states, wall, steady = lockstep(engines, {m: [Request(f"{m}-{i}", p.ids, max_new) for i, p in enumerate(prompts)] for m in methods})
+    states, wall, steady = lockstep(engines, {m: bench_requests(m, prompts, max_new, sampling) for m in methods})
     k_blk = drafter.block_size if drafter is not None else 1
     no_latency = {"latency_per_token_p50": None, "latency_per_token_p95": None}
     return {m: engine_row(engines[m], states[m], wall[m], k_blk, steady[m]) | no_latency for m in methods}
@@ -445,6 +455,7 @@ def bench(
     steady: bool = False,
     waves: int = 0,
     llamacpp: dict | None = None,
+    sampling: tuple[float, bool] = (0.0, True),
 ) -> list[dict]:
     """-> one row per method x domain x concurrency (`llamacpp` at concurrency 1 only; its ctx: `run_llamacpp_peer`).
     A cell runs the first max(min_requests, waves x
@@ -454,7 +465,8 @@ def bench(
     requests still waiting, as a server under sustained load sees), the whole run's in `whole_tokens_per_s`.
     `repeats`: runs per method and cell; rows carry every run's throughput in `tokens_per_s_runs`.
     `on_cell(rows so far)` after every cell (the CLI writes the partial results: a long grid cut short keeps them).
-    `interleave`: the engine methods of a cell run in lockstep, one step each in turn (`run_interleaved`)."""
+    `interleave`: the engine methods of a cell run in lockstep, one step each in turn (`run_interleaved`).
+    `sampling`: (temperature, seeded) of the engine methods' requests (`bench_requests`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if steady and (why := steady_problem(methods, concurrency, min_requests, waves)):
@@ -486,7 +498,7 @@ def bench(
                 lockstep = [m for m in order if m not in HF_METHODS]
                 bar.set_postfix(domain=domain, concurrency=conc, method="interleaved", repeat=rep + 1)
                 step_runs = run_interleaved(
-                    lockstep, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget, lookup
+                    lockstep, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget, lookup, sampling
                 )
                 for m in lockstep:
                     runs.setdefault(m, []).append(step_runs[m])
@@ -497,7 +509,7 @@ def bench(
                 if m in HF_METHODS:
                     r = run_hf(m, hf_model, prompts, conc, max_new, target.eos_ids, pad_id)
                 else:
-                    r = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget, lookup)
+                    r = run_engine(m, target.model, drafter, head, prompts, conc, max_new, target.eos_ids, token_budget, lookup, sampling)
                 runs.setdefault(m, []).append(r)
                 bar.update(1)
         if steady:  # every run is an engine run here (checked above)
@@ -522,7 +534,7 @@ def bench(
                 machine_limits=limits,
                 peak_rss_mib=round(rss),
             )
-            if "ar" in runs and not is_peer(m):  # greedy: every engine method must emit plain decoding's tokens
+            if "ar" in runs and not is_peer(m) and sampling[1]:  # greedy or seeded: every engine method emits plain decoding's tokens
                 ref = runs["ar"][0]["outputs"]
                 r["same_as_ar"] = sum(a == b for a, b in zip(r["outputs"], ref)) / len(ref)
                 r["mismatches"] = mismatches(r["outputs"], ref)  # kept in results.json: what to look at if one ever differs
@@ -688,6 +700,15 @@ def limits_text(rows: list[dict]) -> str:
     )
 
 
+def sampling_text(meta: dict) -> str:
+    """The report's note on sampled runs (none for greedy)."""
+    if not meta.get("temperature"):
+        return ""
+    if meta.get("seeded", True):
+        return f"; sampled at temperature {meta['temperature']}, seeded (same as ar: plain decoding's sample, token for token)"
+    return f"; sampled at temperature {meta['temperature']}, unseeded (the rejection rule: outputs not compared)"
+
+
 def report_markdown(rows: list[dict], meta: dict) -> str:
     repeats = meta.get("repeats", 1)
     lines = [
@@ -697,7 +718,8 @@ def report_markdown(rows: list[dict], meta: dict) -> str:
         f"token budget {meta['token_budget']}"
         + (f"; {repeats} repeats per cell: tok/s of the median run, speedup = median of per-repeat ratios" if repeats > 1 else "")
         + ("; engine methods in lockstep (one step each in turn, tok/s over each method's own steps)" if meta.get("interleave") else "")
-        + ("; steady tok/s: over the steps with requests still waiting (full batch, sustained load)" if meta.get("steady") else ""),
+        + ("; steady tok/s: over the steps with requests still waiting (full batch, sustained load)" if meta.get("steady") else "")
+        + sampling_text(meta),
         "",
         "| domain | concurrency | method | tok/s | speedup vs ar | vs best peer | of limit | tau | verify tok/step | max step tok "
         "| p50 ms/tok | p95 ms/tok | requests | same as ar | undrafted rounds | peak RSS MiB |",

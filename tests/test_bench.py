@@ -125,6 +125,19 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert lim["gflops"] > 0 and lim["gbps"] > 0 and 0 < ar["of_limit"] <= 1.0 and 0 < fixed["of_limit"] <= 1.0
     assert "GFLOP/s" in (tmp_path / "b3" / "report.md").read_text()
     assert main(["bench", *common, "--repeats", "0"]) == 2
+    # --temperature: seeded sampled requests, and every engine method (cost, trees, lookup) emits plain
+    # decoding's seeded sample token for token; --unseeded ones take the rejection rule, not compared
+    sampled = ["--concurrency", "3", "--min-requests", "3", "--temperature", "0.9"]
+    methods = ["--methods", "ar,fixed,cost,tree3-lookup"]
+    assert main(["bench", *common, *methods, *sampled, "--out", str(tmp_path / "b4")]) == 0
+    rows = json.loads((tmp_path / "b4" / "results.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["same_as_ar"] == 1.0 for r in rows)
+    assert "sampled at temperature 0.9, seeded" in (tmp_path / "b4" / "report.md").read_text()
+    assert main(["bench", *common, *methods, *sampled, "--unseeded", "--out", str(tmp_path / "b5")]) == 0
+    rows = json.loads((tmp_path / "b5" / "results.json").read_text())["rows"]
+    assert len(rows) == 4 and all("same_as_ar" not in r for r in rows)
+    assert main(["bench", *common, "--methods", "ar,hf", "--temperature", "0.9"]) == 2  # peers decode greedily
+    assert main(["bench", *common, "--methods", "ar,fixed", "--unseeded"]) == 2  # unseeded needs sampling
 
 
 def test_fit_head_on_a_shorter_block_then_serve_it(tiny_hf_dir, tiny_drafter_dir, tmp_path):
