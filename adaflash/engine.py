@@ -102,6 +102,7 @@ class RequestState:
     dcache: KVCache | None
     gen: torch.Generator | None  # an unseeded sampled request's random draws (the rejection rule)
     context: list[torch.Tensor] = field(default_factory=list)  # target features [n, n*H] not yet in dcache
+    noise: tuple[int, torch.Tensor] | None = None  # a seeded request's noise rows [m, V] from position `[0]` (Engine._noise)
     context_tokens: int = 0  # rows in `context`, kept as it grows (a policy reads it every step)
     admitted: bool = False  # prefilled (got a first token); stays True after the caches are released
     features: torch.Tensor | None = None  # [prompt + out - 1, n*H] every fed token's target features (keep_features)
@@ -150,7 +151,6 @@ class _Plan:
     logits: torch.Tensor | None = None  # [rows, Vd] draft logits
     draft: torch.Tensor | None = None  # [k] chain drafts, or [N] tree node tokens
     q: torch.Tensor | None = None  # [k, V] proposal distribution when sampling unseeded
-    noise: torch.Tensor | None = None  # [k+1, V] a seeded request's noise of the positions a chain verifies
     parents: torch.Tensor | None = None  # [N] tree node parents (0 = the anchor)
     mask: torch.Tensor | None = None  # [N+1, N+1] tree ancestor mask over [anchor, nodes]
 
@@ -483,7 +483,7 @@ class Engine:
         done = cancelled + [s for s in self.running if s.finish_reason is not None]
         for s in done:
             s.t_done = time.perf_counter()
-            s.tcache = s.dcache = None
+            s.tcache = s.dcache = s.noise = None
             if self.keep_features and s.context:
                 s.features = s.take_context()
             s.context, s.context_tokens = [], 0
@@ -663,8 +663,7 @@ class Engine:
                 if st.gen is not None:  # a deterministic proposal: q is one-hot on it
                     p.q = torch.zeros(len(p.draft), vocab_size, device=dev).scatter_(1, p.draft[:, None], 1.0)  # [k, V]
             elif p.kind == "draft" and p.verify_len > 1:
-                p.noise = self._noise(st, p.verify_len)  # [k+1, V] or None: the target samples with it too
-                e = None if p.noise is None else p.noise[:-1]
+                e = self._noise(st, p.verify_len - 1)  # [k, V] or None: the target samples with it too
                 p.draft, p.q = propose(p.logits, st.req.temperature, st.gen, dr.vocab, dr.vocab_size, e)  # [k], [k, V] or None
             elif p.kind == "plain":
                 p.verify_len = 1
@@ -690,8 +689,7 @@ class Engine:
             target = [best[i] for i in keep[: len(walked)]]  # the target's token after each one's parent
         else:
             k = p.verify_len - 1
-            e = p.noise if p.noise is not None else self._noise(st, p.verify_len)
-            n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen, e)
+            n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen, self._noise(st, p.verify_len))
             st.tcache.crop(st.tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
             keep = list(range(1 + n))
             draft = p.draft.tolist()
@@ -716,10 +714,19 @@ class Engine:
         return feats[keep]
 
     def _noise(self, st: RequestState, n: int) -> torch.Tensor | None:
-        """[n, V] a seeded sampled request's noise of its next n token positions (from len(out)); else None."""
+        """[n, V] a seeded sampled request's noise of its next n token positions (from len(out)); else None.
+        Rows are kept for the positions not yet committed (`RequestState.noise`): the drafts a round rejects
+        are the next round's positions, so each position's row is hashed once."""
         if st.req.temperature <= 0 or st.gen is not None:
             return None
-        return noise(st.req.seed, len(st.out), n, self.target.config.vocab_size).to(self.target.lm_head.weight.device)
+        start, (first, rows) = len(st.out), st.noise or (len(st.out), None)
+        rows = None if rows is None or start - first >= rows.shape[0] else rows[start - first :]  # [m, V] from start
+        have = 0 if rows is None else rows.shape[0]
+        if have < n:
+            new = noise(st.req.seed, start + have, n - have, self.target.config.vocab_size, self.target.lm_head.weight.device)
+            rows = new if rows is None else torch.cat([rows, new])
+        st.noise = (start, rows)
+        return rows[:n]
 
     @staticmethod
     def _draft_logits(plans: list[_Plan]) -> None:

@@ -24,6 +24,8 @@ bench` at T = 0.7, tau 1-5% lower), so unseeded requests keep the rejection rule
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -51,22 +53,28 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) on int32 tensors (products wrap; right shifts masked to be logical)."""
-    x = (x ^ ((x >> 16) & 0xFFFF)) * 0x21F0AAAD
-    x = (x ^ ((x >> 15) & 0x1FFFF)) * 0x735A2D97
-    return x ^ ((x >> 15) & 0x1FFFF)
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32, a 32-bit integer hash, in place on an int32 tensor (products wrap; right shifts are
+    masked to be logical)."""
+    x.bitwise_xor_((x >> 16) & 0xFFFF).mul_(0x21F0AAAD)
+    x.bitwise_xor_((x >> 15) & 0x1FFFF).mul_(0x735A2D97)
+    return x.bitwise_xor_((x >> 15) & 0x1FFFF)
 
 
-def noise(seed: int, start: int, n: int, vocab: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _spread_ids(vocab: int, device: str) -> torch.Tensor:
+    """[vocab] int32 token ids times 0x9E3779B1 (wrapped): far apart in every bit before the hash."""
+    return torch.arange(vocab, dtype=torch.int32, device=device) * -1640531535
+
+
+def noise(seed: int, start: int, n: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[n, vocab] float32 Exp(1) noise of token positions start..start+n-1 of a request seeded `seed`
-    (any 64-bit integer): a counter-based hash of (seed, position, token id), so a position's noise never
-    depends on which round, step or batch drew it."""
+    (any 64-bit integer), made on `device`: a counter-based hash of (seed, position, token id), so a
+    position's noise never depends on which round, step, batch or device drew it."""
     key = _mix64(seed & _MASK)
     rows = [_mix64((key + (t + 1) * _GOLDEN) & _MASK) & 0xFFFFFFFF for t in range(start, start + n)]
-    rows = torch.tensor([r - (1 << 32) if r >= 1 << 31 else r for r in rows], dtype=torch.int32)  # [n] as int32
-    ids = torch.arange(vocab, dtype=torch.int32) * -1640531535  # [vocab] 0x9E3779B1 * id, wrapped
-    x = _mix32(_mix32(rows[:, None] ^ ids[None]))  # [n, vocab]
+    rows = torch.tensor([r - (1 << 32) if r >= 1 << 31 else r for r in rows], dtype=torch.int32, device=device)  # [n]
+    x = _mix32_(rows[:, None] ^ _spread_ids(vocab, str(device))[None])  # [n, vocab]
     u = ((x >> 8) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)  # [n, vocab] 24-bit uniforms in (0, 1)
     return u.log_().neg_()
 
