@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -49,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger("adaflash.cost")
 
 QK_UNIT = 1000.0  # the attention feature counts query-key pairs in thousands (coefficients of ms scale)
 
@@ -326,8 +329,8 @@ def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) 
     LONG_CONTEXT tokens, and drafting over DRAFTER_GRID / EXTEND_GRID, on dummy requests (one packed prefill,
     then every point verifies or extends and rolls back), the fastest of `reps` sweeps over the whole grid
     per point (a burst of other work then slows one sweep, not every repetition of one point), and the row
-    staircase of whole forwards (`time_rows`). 31 s for SmolLM2 on two threads of the 2-core AVX-512
-    machine before the long-context points."""
+    staircase of whole forwards (`time_rows`). 58 s for SmolLM2 on two threads of the 2-core AVX-512
+    EPYC (session 41; 31 s before the long-context points)."""
     g = torch.Generator().manual_seed(seed)
     dev = target.lm_head.weight.device
     n_req = max(r for r, _ in TARGET_GRID + DRAFTER_GRID)
@@ -413,10 +416,18 @@ def load_or_calibrate(target, drafter, cache_dir: Path | None = None, refresh: b
     path = Path(cache_dir or cache_root() / "cost") / f"{name}.json"
     if path.exists() and not refresh:
         try:
-            return StepCost.from_json(json.loads(path.read_text()))
+            cost = StepCost.from_json(json.loads(path.read_text()))
+            log.info("step costs of this machine and models: cached in %s", path)
+            return cost
         except (ValueError, KeyError, TypeError):
             pass  # unreadable: measure again
+    t0 = time.perf_counter()
     cost = calibrate(target, drafter)
+    log.info(  # a server's first start on a machine takes this long more (58 s for SmolLM2 on two threads)
+        "step costs of this machine and models measured in %.0f s%s",
+        time.perf_counter() - t0,
+        f", cached in {path}" if cost.plausible() else " (disturbed by other processes: not cached)",
+    )
     if cost.plausible():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
