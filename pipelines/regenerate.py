@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from adaflash.engine import ARPolicy, Engine, Request
+from adaflash.spec import sample
 from adaflash.target import Target
 
 SCHEMA = pa.schema(
@@ -65,7 +66,7 @@ def next_tokens(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator 
     if not bool((temps > 0).any()):
         return greedy
     probs = torch.softmax(logits / temps.clamp(min=1e-6)[:, None], dim=-1)
-    sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    sampled = sample(probs, gen)  # [B]
     return torch.where(temps > 0, sampled, greedy)
 
 

@@ -98,6 +98,23 @@ def test_sampling_verify_keeps_target_distribution():
     assert math.isclose(n.float().mean().item(), torch.minimum(p0, q0).sum().item(), abs_tol=0.02)
 
 
+def test_sample_follows_p_and_never_picks_a_zero_probability_id():
+    """The inverse-CDF sampler against p (chi-square over 8 ids, p = 0.001), rows sampled independently,
+    and ids of zero probability (zeros at both ends, a one-hot row) never drawn."""
+    from adaflash.spec import sample
+
+    g = torch.Generator().manual_seed(5)
+    p0 = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+    draws = sample(p0.expand(20000, V), g)  # [N]
+    counts = torch.bincount(draws, minlength=V).double()
+    expected = p0.double() * 20000
+    assert ((counts - expected) ** 2 / expected).sum().item() < 24.3
+    sparse = torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0, 0.0])
+    got = sample(sparse.expand(5000, 6), g)
+    assert set(got.tolist()) == {1, 3} and abs((got == 3).double().mean().item() - 0.7) < 0.03
+    assert sample(torch.eye(6)[[5, 0, 2]], g).tolist() == [5, 0, 2]
+
+
 def test_noise_is_fixed_by_seed_and_position():
     """A position's noise is the same whichever call draws it; seeds and positions differ; any 64-bit seed."""
     from adaflash.spec import noise
