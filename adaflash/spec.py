@@ -19,7 +19,7 @@ with the same noise, and drafts are accepted while they equal the target's token
 The text is then the target's own seeded sample token for token, however verify lengths, batches,
 drafter versions, prompt lookup or trees cut the rounds. Such a draft is accepted with probability at
 least (1 - TV) / (1 + TV) against the rejection rule's 1 - TV (TV(p, q): total variation; in `adaflash
-bench` at T = 0.7, tau up to 6% lower), so unseeded requests keep the rejection rule.
+bench` at T = 0.7, tau 3-8% lower), so unseeded requests keep the rejection rule.
 """
 
 from __future__ import annotations
