@@ -162,7 +162,9 @@ def propose(
     target's `vocab_size` tokens; q is then scattered back to the full vocabulary, zero outside the
     subset, so the rejection rule sees a proper distribution over the target's vocabulary."""
     if temperature <= 0 or e is not None:
-        j = pick(draft_logits, temperature, None, None if e is None else e if vocab is None else e[:, vocab])
+        if e is not None and vocab is not None:
+            e = e[:, vocab]  # [k, Vd] the noise of the draft vocabulary's ids
+        j = pick(draft_logits, temperature, None, e)
         return (j if vocab is None else vocab[j]), None
     q = probs(draft_logits, temperature)  # [k, Vd]
     j = sample(q, generator)  # [k]

@@ -588,7 +588,7 @@ def shift_bench(
             chunk = prompts[i * round_size : (i + 1) * round_size]
             k = (r + rep) % len(methods)
             order = methods[k:] + methods[:k]
-            reqs = {m: [Request(f"{m}-x{rep}-r{r}-{j}", p.ids, max_new) for j, p in enumerate(chunk)] for m in order}
+            reqs = {m: bench_requests(f"{m}-x{rep}-r{r}", chunk, max_new) for m in order}
             done, walls, _ = lockstep({m: engines[m] for m in order}, reqs, seed=rep)
             here = {}
             for m in order:

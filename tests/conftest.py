@@ -7,7 +7,6 @@ import faulthandler
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,6 @@ def pytest_configure(config):
     fd 2 itself the stacks would land in the capture's temporary file and be lost with the process."""
     global _watchdog_out
     _watchdog_out = os.fdopen(os.dup(2), "w")
-    if "ADAFLASH_CACHE" not in os.environ:  # the cost policy's step-cost calibrations (the servers' default policy):
-        os.environ["ADAFLASH_CACHE"] = tempfile.mkdtemp(prefix="adaflash-tests-cache-")  # never the user's cache
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=_watchdog_out)
 
 
