@@ -216,6 +216,21 @@ def vllm_batched_tokens(token_budget: int, max_seqs: int, verify: int) -> int:
     return max(token_budget, max_seqs * verify)
 
 
+def dflash_schedule_spec(drafter_dir, schedule: list[tuple[int, int, int]]) -> dict:
+    """vLLM's speculative_config for DFlash drafting by batch size: `schedule` [(B_lo, B_hi, K)] inclusive
+    ranges from 1 (`adaflash.policy_cost.batch_schedule`; K = 0 decodes plainly) as vLLM's
+    num_speculative_tokens_per_batch_size (vLLM >= 0.32), its longest K as num_speculative_tokens."""
+    if not schedule or schedule[0][0] != 1:
+        raise ValueError(f"a draft-length schedule must cover batch sizes from 1, got {schedule!r}")
+    longest = max(k for *_, k in schedule)
+    return {
+        "method": "dflash",
+        "model": str(drafter_dir),
+        "num_speculative_tokens": max(longest, 1),  # vLLM wants >= 1 even where the schedule never drafts
+        "num_speculative_tokens_per_batch_size": [list(r) for r in schedule],
+    }
+
+
 def vllm_cpu_env(threads: int | None, kv_cache_gb: int) -> dict[str, str]:
     """vLLM-CPU's environment for `threads` OpenMP threads (default: every core this process may use) and a KV
     cache of `kv_cache_gb` GiB (vLLM touches all of it at start-up). The threads are bound to that many of our

@@ -35,7 +35,9 @@ Greedy output is the target's whatever the lengths: the policy only decides how 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -182,6 +184,63 @@ def _scan(cum, secs, fixed_gain, draft_s, force, extra_s) -> DraftPlan:
     taken[order[: last + 1][take[bi, : last + 1]]] = True
     drafts = taken.reshape(r, n_pos).sum(-1)  # [R]
     return DraftPlan(drafts > 0, int(blocks[bi]), (1 + drafts).astype(np.int64), float(rate[bi, last]))
+
+
+# ----------------------------------------------------------------------------- stock engines
+def batch_schedule(
+    cost: StepCost, cum: np.ndarray, max_batch: int, context: float = 256.0, draft_always: bool = False
+) -> list[tuple[int, int, int]]:
+    """The draft length per batch size for an engine that fixes it per batch, not per request (vLLM's
+    `num_speculative_tokens_per_batch_size`): the same choice as `plan_drafts`, for B requests that all
+    draft K tokens (K = 0: no drafts) with the same profile. cum [J]: P(the first j drafts all accepted),
+    j = 1..J; context: cached tokens each verified token attends to; draft_always: the drafter's pass runs
+    at K = 0 too (vLLM's DFlash keeps the drafter's cache in step with every committed token, drafting
+    or not). -> inclusive ranges [(B_lo, B_hi, K)] covering 1..max_batch, K the length with the most
+    expected tokens per second:
+
+        K(B) = argmax_K  B * (1 + sum_{j <= K} cum_j) / (t_T(B, B * (K + 1), context) + t_D(B, K + 1, committed))
+    """
+    cum = np.asarray(cum, dtype=np.float64)  # [J]
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(cum)])  # [J + 1] tokens a request commits with K drafts
+    rows = np.arange(1, len(cum) + 2)  # [J + 1] tokens a request verifies (K + 1)
+    out: list[tuple[int, int, int]] = []
+    for b in range(1, max_batch + 1):
+        secs = cost.verify_curve(b, b, b * len(cum), context)[(rows - 1) * b]  # [J + 1] B requests at K + 1 rows each
+        plain = cost.draft(b, 1, b) if draft_always else 0.0  # K = 0: the anchor's row, one token committed each
+        secs = secs + np.array([plain] + [cost.draft(b, int(r), int(b * g)) for r, g in zip(rows[1:], gain[1:])])
+        k = int((gain / secs).argmax())  # the shortest of the best
+        if out and out[-1][2] == k:
+            out[-1] = (out[-1][0], b, k)
+        else:
+            out.append((b, b, k))
+    return out
+
+
+def held_out_profile(drafter_dir, block_size: int) -> np.ndarray | None:
+    """cum [block_size - 1] from the drafter's held-out evaluation (`adaflash evaluate`'s eval.json beside
+    its weights: the share of rounds whose first j drafts were all accepted, whole blocks verified, the
+    mean over its domains), or None where it has none."""
+    path = Path(drafter_dir) / "eval.json"
+    if not path.is_file():
+        return None
+    rows = [
+        v["accepted_at_least"]
+        for d in json.loads(path.read_text()).get("domains", {}).values()
+        for v in d.get("variants", {}).values()
+        if v.get("verify_len") == block_size and len(v.get("accepted_at_least") or []) == block_size - 1
+    ]
+    return np.mean(np.array(rows, dtype=np.float64), 0) if rows else None
+
+
+def stock_schedule(target, drafter, drafter_dir, max_batch: int, context: float = 256.0) -> list[tuple[int, int, int]]:
+    """`batch_schedule` for serving `drafter` (its files in `drafter_dir`) with `target` on vLLM (whose
+    DFlash drafter runs every step, `draft_always`), priced by this machine's calibrated step costs of the
+    two (`load_or_calibrate`), with the drafter's held-out acceptance, or where it has none the cost
+    policy's starting prior (each position accepted with probability 1/2, given the ones before)."""
+    cum = held_out_profile(drafter_dir, drafter.block_size)
+    if cum is None:
+        cum = 0.5 ** np.arange(1, drafter.block_size)
+    return batch_schedule(load_or_calibrate(target, drafter), cum, max_batch, context, draft_always=True)
 
 
 # ----------------------------------------------------------------------------- the policy

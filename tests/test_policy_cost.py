@@ -26,7 +26,7 @@ from adaflash.cost import (
     solve_small,
 )
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
-from adaflash.policy_cost import CostPolicy, choose_lengths, plan_drafts
+from adaflash.policy_cost import CostPolicy, batch_schedule, choose_lengths, held_out_profile, plan_drafts, stock_schedule
 
 CHEAP = {"a": (0.01, 0.001, 0.0001), "d": (0.0005, 0.0001, 0.00001)}  # a machine where drafts pay if accepted at all
 
@@ -330,6 +330,48 @@ def test_below_the_knee_a_single_request_verifies_its_likely_drafts():
 def requests(n: int, seed: int = 1) -> list[Request]:
     g = torch.Generator().manual_seed(seed)
     return [Request(f"r{i}", torch.randint(0, 64, (3 + (i * 5) % 11,), generator=g).tolist(), max_new_tokens=24 + 3 * i) for i in range(n)]
+
+
+@pytest.mark.parametrize("ctx", [0.0, 300.0])
+def test_batch_schedule_matches_brute_force_and_drafts_less_in_bigger_batches(ctx):
+    """vLLM's knob (drafts per step by batch size): per B the K with the most expected tokens per second,
+    priced as the engine prices a step; on a machine where every verified token costs (linear, no knee)
+    a lone request drafts, a batch of 32 decodes plainly, and the ranges cover 1..max_batch. Where the
+    drafter's pass runs at K = 0 too (vLLM's DFlash), K = 0 saves less and is chosen at fewer sizes."""
+    c = linear_cost()
+    cum = 0.5 ** np.arange(1, 8)  # [7] each draft accepted half the time, given the ones before
+    ks = {}
+    for always in (False, True):
+        sched = batch_schedule(c, cum, 32, ctx, draft_always=always)
+        assert sched[0][0] == 1 and sched[-1][1] == 32
+        assert all(a[1] + 1 == b[0] and a[2] != b[2] for a, b in zip(sched, sched[1:]))  # contiguous, merged
+        k_of = ks[always] = {b: k for lo, hi, k in sched for b in range(lo, hi + 1)}
+        for b in range(1, 33):
+            gain = [1 + cum[:k].sum() for k in range(8)]
+            draft = [c.draft(b, k + 1, int(b * gain[k])) * (k > 0 or always) for k in range(8)]
+            secs = [c.verify(b, b * (k + 1), b * (k + 1) * ctx / 1000) + d for k, d in zip(range(8), draft)]
+            assert k_of[b] == int(np.argmax([b * g / t for g, t in zip(gain, secs)])), b
+        assert k_of[1] >= 1 and all(k_of[b] >= k_of[b + 1] for b in range(1, 32))
+    assert ks[False][32] == 0 and all(ks[True][b] >= ks[False][b] for b in range(1, 33))
+    assert sum(ks[True].values()) > sum(ks[False].values())
+    free = batch_schedule(linear_cost(a=(0.06, 0.01, 1e-6), d=(1e-6, 1e-6, 1e-6)), np.full(7, 0.9), 4)
+    assert free == [(1, 4, 7)]  # tokens and drafting (nearly) free: the whole block at every batch size
+
+
+def test_stock_schedule_reads_the_drafters_held_out_acceptance(tmp_path, monkeypatch):
+    """The committed drafter's eval.json: P(first j drafts accepted) over its domains, falling with j; a
+    drafter without one is priced with the cost policy's starting prior."""
+    from adaflash.drafter import DEFAULT_DRAFTER
+
+    cum = held_out_profile(DEFAULT_DRAFTER, 16)
+    assert cum.shape == (15,) and 0.3 < cum[0] < 0.9 and np.all(np.diff(cum) <= 1e-9)
+    assert held_out_profile(DEFAULT_DRAFTER, 8) is None and held_out_profile(tmp_path, 16) is None
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    c = linear_cost()
+    monkeypatch.setattr("adaflash.policy_cost.load_or_calibrate", lambda t, d: c)  # the linear machine, not the tiny models timed
+    sched = stock_schedule(target, drafter, tmp_path, 16)
+    assert sched == batch_schedule(c, 0.5 ** np.arange(1, drafter.block_size), 16, draft_always=True)
 
 
 def test_cost_policy_is_lossless():
