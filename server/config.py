@@ -24,7 +24,9 @@ class ModelSection:
     drafter: str = str(DEFAULT_DRAFTER)  # drafter directory (config.json + model.safetensors [+ length head])
     drafter_dtype: str = "auto"  # auto: bf16 where this CPU runs it fast
     drafter_version: str = "0"  # version label of the initial drafter (the registry's after a hot-swap)
-    policy: str = "auto"  # auto (cost on a CPU; on a GPU head where the drafter has one, else fixed) | head | cost | fixed[K] | ema | ar
+    # auto (cost on a CPU; on a GPU head where the drafter has one, else fixed) | head | cost | fixed[K] | ema | ar;
+    # backend vllm: auto / cost draft per step by batch size (a schedule chosen at start-up), fixed[K], ar
+    policy: str = "auto"
 
     def __post_init__(self):
         if not self.name.strip():
@@ -179,10 +181,13 @@ class ServeConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend != "builtin" and self.model.dtype in TARGET_QUANT_DTYPES:
             raise ValueError(f"model.dtype {self.model.dtype}: a quantised target runs on the builtin engine only, not {self.backend}")
-        if self.backend != "builtin" and self.model.policy in ("head", "ema", "cost"):
-            raise ValueError(  # stock engines fix their draft length at start-up: no per-step knob to turn
+        # stock engines have no per-request knob; vLLM takes a draft length per batch size (the cost policy's schedule)
+        per_step = ("head", "ema") if self.backend == "vllm" else ("head", "ema", "cost")
+        if self.backend != "builtin" and self.model.policy in per_step:
+            cost = ", cost (drafts per step by batch size, chosen at start-up)" if self.backend == "vllm" else ""
+            raise ValueError(
                 f"model.policy {self.model.policy!r} needs the builtin backend; with backend {self.backend} use "
-                "auto or fixed (verify the whole block), fixedK (K tokens per step) or ar (no drafter)"
+                f"auto or fixed (verify the whole block), fixedK (K tokens per step){cost} or ar (no drafter)"
             )
         if self.engine.tree and (self.backend != "builtin" or self.model.policy == "ar"):
             raise ValueError("engine.tree needs the builtin backend and a drafter (model.policy other than ar)")

@@ -36,7 +36,7 @@ import torch
 from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 
 from adaflash.buffer import Round
-from adaflash.dflash_format import vllm_batched_tokens, vllm_cpu_env, vllm_python
+from adaflash.dflash_format import dflash_schedule_spec, vllm_batched_tokens, vllm_cpu_env, vllm_python
 
 log = logging.getLogger("adaflash.server")
 
@@ -64,7 +64,10 @@ class VLLMServer(ChildServer):
         threads: int | None = None,
         enforce_eager: bool = True,
         extra_args: list[str] | None = None,
+        schedule: list[tuple[int, int, int]] | None = None,
     ):
+        if schedule:  # drafts per step by batch size (the cost policy's start-up choice); its longest K caps the step
+            num_spec = max(k for *_, k in schedule)
         cmd = [
             str(python),
             "-m",
@@ -93,6 +96,8 @@ class VLLMServer(ChildServer):
             cmd.append("--enforce-eager")
         if drafter_dir is not None:
             spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": num_spec}
+            if schedule:
+                spec = dflash_schedule_spec(drafter_dir, schedule)
             cmd += [
                 "--speculative-config",
                 json.dumps(spec),
@@ -136,11 +141,15 @@ class VLLMEngine(StockEngine):
         max_model_len: int,
         work_dir: Path,
         mask_token_id: int,
+        schedule: list[tuple[int, int, int]] | None = None,
     ):
-        policy = f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar"
+        policy = "vllm-cost" if schedule else f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar"
+        if schedule:
+            num_spec = max(1, max(k for *_, k in schedule))
         k_blk = num_spec + 1 if drafter is not None else 1
         super().__init__(server, drafter, version, policy, k_blk, max_batch, token_budget, max_model_len)
         self.work_dir, self.mask_token_id = Path(work_dir), mask_token_id
+        self.stats["rows_inexact"] = 0
 
     def swap(self, drafter, head=None, version: str = "0") -> None:
         """Load a checked drafter into the running vLLM (between two of its steps); raises if vLLM refuses."""
@@ -192,17 +201,25 @@ class VLLMEngine(StockEngine):
                 del st.out[keep:]
                 finish = "stop"  # a custom stop rule: leave the stream, vLLM aborts the request
                 break
-        return finish, _rounds(len(req.prompt_ids), len(st.out), spec)
+        rounds = _rounds(len(req.prompt_ids), len(st.out), spec)
+        if rounds is None:
+            self.stats["rows_inexact"] += 1
+        return finish, rounds or []
 
 
-def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round]:
+def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round] | None:
     """vLLM's ordered per-step (drafted, accepted) counts -> rounds with exact anchors.
 
     The first output token comes from prefill; each verify step then commits accepted + 1 tokens
     from anchor = the position of the last committed token (steps past the output are dropped:
-    the request stopped inside them)."""
+    the request stopped inside them). vLLM reports only steps that verified drafts: where the steps
+    reported commit fewer tokens than the output has, some steps decoded plainly (a draft-length
+    schedule with 0 drafts at a larger batch) and no anchor is known: None (the row is written without rounds,
+    `stats["rows_inexact"]` counts it, the trainer skips it)."""
     if not spec or "per_step_accepted" not in spec:
         return []
+    if 1 + sum(int(a) + 1 for a in spec["per_step_accepted"]) < out_len:
+        return None
     rounds, committed, t_ns = [], 1, time.time_ns()
     for acc, drafted in zip(spec["per_step_accepted"], spec["per_step_drafted"]):
         if committed >= out_len:
@@ -222,6 +239,14 @@ def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round]:
     return rounds
 
 
+def vllm_policy(policy: str, target) -> str:
+    """What the vLLM backend does with model.policy: `cost` (and `auto` for a target on a CPU, as on the
+    builtin engine) drafts per step by batch size from a schedule chosen at start-up
+    (`adaflash.policy_cost.stock_schedule`); the others a fixed draft length ("fixed")."""
+    on_cpu = target.model.lm_head.weight.device.type == "cpu"
+    return "cost" if policy == "cost" or (policy == "auto" and on_cpu) else "fixed"
+
+
 def build_vllm_engine(cfg, target) -> VLLMEngine:
     """The ServeConfig's model served by a vLLM child process (started here; ready when this returns)."""
     from adaflash.dflash_format import export_dflash
@@ -235,6 +260,12 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
     num_spec = (k or (drafter.block_size if drafter is not None else 1)) - 1
     if drafter is not None and not 1 <= num_spec < drafter.block_size:
         raise ValueError(f"model.policy {m.policy}: the vLLM backend verifies 2..{drafter.block_size} tokens per step")
+    schedule = None
+    if drafter is not None and vllm_policy(m.policy, target) == "cost":
+        from adaflash.policy_cost import stock_schedule
+
+        schedule = stock_schedule(target.model, drafter, m.drafter, e.max_batch)
+        log.info("vLLM drafts per step by batch size (B_lo, B_hi, drafts): %s", schedule)
     work = Path(v.work_dir)
     draft_dir = None
     if drafter is not None:
@@ -259,6 +290,7 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
         v.threads,
         v.enforce_eager,
         v.extra_args,
+        schedule,
     )
     server.start(v.startup_timeout_s)
-    return VLLMEngine(server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work, v.mask_token_id)
+    return VLLMEngine(server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work, v.mask_token_id, schedule)

@@ -119,3 +119,50 @@ def test_export_cli_round_trip_and_usage_errors(tmp_path, tiny_hf_dir, tiny_draf
     assert main(["export", str(tiny_drafter_dir), str(out), "--target", str(tiny_hf_dir)]) == 2
     assert "not empty" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x"), "--target", str(tiny_hf_dir)]) == 2
+
+
+def test_a_draft_length_schedule_reaches_vllms_command_line(tmp_path):
+    """`serve --backend vllm` with the cost policy: the schedule becomes vLLM's num_speculative_tokens_per_batch_size,
+    its longest K the draft length vLLM sizes its steps by; a schedule not starting at batch 1 is refused."""
+    from adaflash.server.vllm_backend import VLLMServer
+
+    from adaflash.dflash_format import dflash_schedule_spec
+
+    sched = [(1, 1, 4), (2, 4, 2), (5, 16, 0)]
+    server = VLLMServer(
+        tmp_path / "python", tmp_path / "target", tmp_path / "drafter", 15, 1234, 2048, 16, 64, "float32", tmp_path / "log",
+        schedule=sched,
+    )  # fmt: skip
+    cmd = server.cmd
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 4,
+                    "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 4, 2], [5, 16, 0]]}  # fmt: skip
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == str(16 * 5)  # 16 sequences x (4 drafts + anchor) > 64
+    assert dflash_schedule_spec("d", [(1, 64, 0)])["num_speculative_tokens"] == 1  # vLLM wants >= 1
+    with pytest.raises(ValueError, match="from 1"):
+        dflash_schedule_spec("d", [(2, 8, 3)])
+
+
+def test_vllm_rounds_are_exact_or_left_out():
+    """vLLM reports only the steps that verified drafts: where they account for the whole output every
+    anchor is exact; where some steps decoded plainly (0 drafts at a bigger batch) no anchor is known (None: the
+    row is written without rounds and counted in `rows_inexact`)."""
+    from adaflash.server.vllm_backend import _rounds
+
+    spec = {"per_step_accepted": [2, 0, 3], "per_step_drafted": [4, 4, 2]}
+    rounds = _rounds(10, 1 + 3 + 1 + 4, spec)
+    assert [(r.anchor, r.accepted, r.verify_len) for r in rounds] == [(10, 2, 5), (13, 0, 5), (14, 3, 3)]
+    assert _rounds(10, 1 + 3 + 1 + 2, spec)[-1].anchor == 14  # stopped inside the last step: still exact
+    assert _rounds(10, 1 + 3 + 1 + 4 + 2, spec) is None  # two plain steps somewhere: no anchors
+
+
+def test_the_vllm_backend_drafts_by_batch_size_under_auto_on_a_cpu():
+    """`auto` on the vLLM backend is the cost policy's schedule when the target is on a CPU (as on the builtin
+    engine); fixed / fixedK keep one draft length."""
+    from types import SimpleNamespace
+
+    from adaflash.server.vllm_backend import vllm_policy
+
+    target = SimpleNamespace(model=tiny_target())
+    assert vllm_policy("auto", target) == vllm_policy("cost", target) == "cost"
+    assert vllm_policy("fixed", target) == vllm_policy("fixed4", target) == "fixed"

@@ -213,8 +213,12 @@ def test_policy_follows_the_drafter_dir(target, tiny_hf_dir, tiny_drafter_dir, t
     assert built(tiny_drafter_dir, "fixed2").policy.k == 2 and built(tiny_drafter_dir, "ema").policy.name == "ema"
     assert built(tiny_drafter_dir, "ar").drafter is None
     assert built(tiny_drafter_dir, "cost").policy.name == "cost"  # step costs of this target and drafter measured at start
-    with pytest.raises(ValueError, match="'cost' needs the builtin backend"):  # stock vLLM fixes its draft length at start
-        serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, backend="vllm", model={"policy": "cost"})
+    # stock engines have no per-request knob: vLLM takes cost as a draft length per batch size, SGLang refuses it
+    assert serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, backend="vllm", model={"policy": "cost"}).model.policy == "cost"
+    with pytest.raises(ValueError, match="'cost' needs the builtin backend"):
+        serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, backend="sglang", model={"policy": "cost"})
+    with pytest.raises(ValueError, match=r"'head' needs the builtin backend.*cost \(drafts per step by batch size"):
+        serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, backend="vllm", model={"policy": "head"})
     # prompt lookup is on by default (engine.lookup 4) and configurable; bad values are refused with the key
     assert (built(tiny_drafter_dir, "fixed").lookup, built(tiny_drafter_dir, "fixed").lookup_min) == (4, 2)
     off = build_engine(serve_config(tiny_hf_dir, tiny_drafter_dir, tmp_path, engine={"lookup": 0}), target)

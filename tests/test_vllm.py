@@ -60,8 +60,10 @@ def stock_dflash(drafter, gsm8k, tmp_path_factory):
     fixture's vLLM starts, instead of one after the other (two vLLM start-ups, about 3.5 minutes of CI)."""
     prompts = [BenchPrompt("gsm8k", p) for p in gsm8k]
     ctx = {"target_dir": stock_hf_dir("smollm2"), "drafter": drafter, "work_dir": tmp_path_factory.mktemp("vllm-peer"), "threads": 2}
+    ctx["schedule"] = [(1, 2, 3), (3, 64, 0)]  # vllm-cost: 3 drafts a step at batch 1-2, plain decoding at 3 or more
     with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(run_vllm_peers, ["vllm-dflash"], [("gsm8k", len(prompts), prompts)], MAX_TOKENS, ctx)
+        cells = [("gsm8k", len(prompts), prompts), ("gsm8k", 1, prompts[:2])]
+        yield pool.submit(run_vllm_peers, ["vllm-dflash", "vllm-cost"], cells, MAX_TOKENS, ctx)
 
 
 def _perturbed(target, out: Path) -> Path:
@@ -85,7 +87,8 @@ def served(target, mlflow_server, tmp_path_factory, stock_dflash):
         DEFAULT_DRAFTER,
         tmp / "buffer",
         backend="vllm",
-        model={"name": "smollm2", "dtype": "float32", "drafter_dtype": "float32"},
+        # the whole block every step (auto would draft by batch size: test_stock_vllm_drafts_by_batch_size_losslessly)
+        model={"name": "smollm2", "dtype": "float32", "drafter_dtype": "float32", "policy": "fixed"},
         engine={"max_batch": 8, "max_model_len": 2048, "max_tokens_limit": 512},
         registry={
             "tracking_uri": mlflow_server,
@@ -279,3 +282,14 @@ def test_stock_vllm_runs_the_export_losslessly_with_the_same_acceptance(target, 
         f"({len(gsm8k)} GSM8K eval prompts x {MAX_TOKENS} tokens); vLLM wall {dflash['wall_s']:.1f} s"
     )
     assert abs(tau_vllm - tau_ours) <= 0.10 * tau_ours, (tau_vllm, tau_ours)
+
+
+def test_stock_vllm_drafts_by_batch_size_losslessly(gsm8k, stock_dflash):
+    """`adaflash bench --methods vllm-cost` / `serve --backend vllm --policy cost`: vLLM takes a draft length per
+    batch size (here plain decoding while 3 or more requests run, 3 drafts a step below), output unchanged. vLLM's
+    mean acceptance length of a request that never drafted is 1.0."""
+    res = stock_dflash.result()
+    for c in (len(gsm8k), 1):
+        assert res[("vllm-cost", "gsm8k", c)]["outputs"] == res[("vllm-dflash", "gsm8k", c)]["outputs"]  # the target's
+    busy, alone = res[("vllm-cost", "gsm8k", len(gsm8k))]["tau"], res[("vllm-cost", "gsm8k", 1)]["tau"]
+    assert 1.0 <= busy < alone and 1.3 < alone <= 4.0, (busy, alone)  # plain while 3+ run (not at the tail), 3 drafts alone
