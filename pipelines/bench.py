@@ -43,13 +43,14 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from adaflash.dflash_format import dflash_schedule_spec
 from adaflash.engine import POLICIES, Engine, Request, known_policy, make_policy
 from adaflash.layers import prepack
 from adaflash.venvs import REPO, venv_python
 
 ENGINE_METHODS = tuple(POLICIES)  # the engine's verify policies (plus fixedK)
 HF_METHODS = ("hf", "hf-pld")
-VLLM_METHODS = ("vllm", "vllm-ngram", "vllm-dflash")  # + vllm-dflashK
+VLLM_METHODS = ("vllm", "vllm-ngram", "vllm-dflash", "vllm-cost")  # + vllm-dflashK
 LLAMACPP = "llamacpp"  # llama.cpp plain decoding of the target's GGUF (`make llamacpp`), concurrency 1 only
 FULL_VOCAB = "-fullvocab"  # suffix: the same method drafting from the whole vocabulary
 LOOKUP = "-lookup"  # suffix: the same method with prompt lookup in the engine
@@ -303,21 +304,25 @@ def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, 
     }
 
 
-def vllm_spec(method: str, drafter_dir: Path | None, k_blk: int) -> dict | None:
-    """vLLM's speculative_config for a `vllm*` method (None: plain decoding)."""
+def vllm_spec(method: str, drafter_dir: Path | None, k_blk: int, schedule: list | None = None) -> dict | None:
+    """vLLM's speculative_config for a `vllm*` method (None: plain decoding); `vllm-cost` drafts by `schedule`
+    (`adaflash.policy_cost.stock_schedule`: drafts per step by batch size)."""
     if method == "vllm":
         return None
     if method == "vllm-ngram":
         return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if method == "vllm-cost":
+        return dflash_schedule_spec(drafter_dir, schedule)
     verify = int(method[11:]) if method[11:] else k_blk  # tokens verified per step, as fixedK
     return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": verify - 1}
 
 
 def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPrompt]]], max_new: int, ctx: dict) -> dict:
     """Every `vllm*` method over all cells, each method in one process of vLLM's own Python.
-    ctx: {"target_dir", "drafter", "work_dir", "threads", "dtype", "token_budget"} -> {(method, domain, concurrency):
-    row fields}. token_budget (default 512, the bench's) is vLLM's max_num_batched_tokens, as it bounds our engine's
-    steps; at least every sequence's whole verify block fits. vLLM's KV cache is sized to the cells (`vllm_kv_gb`)."""
+    ctx: {"target_dir", "drafter", "work_dir", "threads", "dtype", "token_budget"[, "schedule"]} -> {(method, domain,
+    concurrency): row fields} ("schedule" for `vllm-cost`). token_budget (default 512, the bench's) is vLLM's
+    max_num_batched_tokens, as it bounds our engine's steps; at least every sequence's whole verify block fits.
+    vLLM's KV cache is sized to the cells (`vllm_kv_gb`)."""
     from adaflash.dflash_format import export_dflash, vllm_batched_tokens, vllm_cpu_env, vllm_python
 
     work = Path(ctx["work_dir"])
@@ -332,7 +337,7 @@ def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPro
     env = {**os.environ, **vllm_cpu_env(ctx["threads"], kv_gb)}
     out = {}
     for m in methods:
-        spec = vllm_spec(m, drafter_dir, ctx["drafter"].block_size)
+        spec = vllm_spec(m, drafter_dir, ctx["drafter"].block_size, ctx.get("schedule"))
         verify = 1 + (spec["num_speculative_tokens"] if spec else 0)
         job = {
             "target": str(ctx["target_dir"]),
