@@ -222,13 +222,18 @@ def dflash_schedule_spec(drafter_dir, schedule: list[tuple[int, int, int]]) -> d
     num_speculative_tokens_per_batch_size (vLLM >= 0.32), its longest K as num_speculative_tokens."""
     if not schedule or schedule[0][0] != 1:
         raise ValueError(f"a draft-length schedule must cover batch sizes from 1, got {schedule!r}")
-    longest = max(k for *_, k in schedule)
     return {
         "method": "dflash",
         "model": str(drafter_dir),
-        "num_speculative_tokens": max(longest, 1),  # vLLM wants >= 1 even where the schedule never drafts
+        "num_speculative_tokens": schedule_drafts(schedule),
         "num_speculative_tokens_per_batch_size": [list(r) for r in schedule],
     }
+
+
+def schedule_drafts(schedule: list[tuple[int, int, int]]) -> int:
+    """The most drafts a step of `schedule` verifies per request (at least 1: vLLM wants that even where the
+    schedule never drafts)."""
+    return max(1, *(k for *_, k in schedule))
 
 
 def vllm_cpu_env(threads: int | None, kv_cache_gb: int) -> dict[str, str]:

@@ -36,7 +36,7 @@ import torch
 from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 
 from adaflash.buffer import Round
-from adaflash.dflash_format import dflash_schedule_spec, vllm_batched_tokens, vllm_cpu_env, vllm_python
+from adaflash.dflash_format import dflash_schedule_spec, schedule_drafts, vllm_batched_tokens, vllm_cpu_env, vllm_python
 
 log = logging.getLogger("adaflash.server")
 
@@ -67,7 +67,7 @@ class VLLMServer(ChildServer):
         schedule: list[tuple[int, int, int]] | None = None,
     ):
         if schedule:  # drafts per step by batch size (the cost policy's start-up choice); its longest K caps the step
-            num_spec = max(k for *_, k in schedule)
+            num_spec = schedule_drafts(schedule)
         cmd = [
             str(python),
             "-m",
@@ -145,7 +145,7 @@ class VLLMEngine(StockEngine):
     ):
         policy = "vllm-cost" if schedule else f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar"
         if schedule:
-            num_spec = max(1, max(k for *_, k in schedule))
+            num_spec = schedule_drafts(schedule)
         k_blk = num_spec + 1 if drafter is not None else 1
         super().__init__(server, drafter, version, policy, k_blk, max_batch, token_budget, max_model_len)
         self.work_dir, self.mask_token_id = Path(work_dir), mask_token_id
