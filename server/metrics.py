@@ -37,6 +37,11 @@ class _Collector:
             ("adaflash_trajectory_rows", "finished requests appended to the trajectory buffer", c.rows_written),
             ("adaflash_trajectory_shards", "trajectory shards published", len(runner.writer.shards_written) if runner.writer else 0),
             ("adaflash_trajectory_errors", "trajectories that could not be recorded", c.trajectory_errors),
+            (
+                "adaflash_trajectory_rows_inexact",
+                "rows a stock engine could not cut into exact rounds, written without them (the trainer skips them)",
+                engine.stats.get("rows_inexact", 0),
+            ),
             ("adaflash_engine_step_errors", "engine steps that raised (their requests failed)", c.step_errors),
             ("adaflash_drafter_swaps", "drafter swaps that went live in the engine", engine.stats["swaps"]),
         ] + self._swapper_counters():
