@@ -216,18 +216,18 @@ def vllm_batched_tokens(token_budget: int, max_seqs: int, verify: int) -> int:
     return max(token_budget, max_seqs * verify)
 
 
-def dflash_schedule_spec(drafter_dir, schedule: list[tuple[int, int, int]]) -> dict:
-    """vLLM's speculative_config for DFlash drafting by batch size: `schedule` [(B_lo, B_hi, K)] inclusive
-    ranges from 1 (`adaflash.policy_cost.batch_schedule`; K = 0 decodes plainly) as vLLM's
-    num_speculative_tokens_per_batch_size (vLLM >= 0.32), its longest K as num_speculative_tokens."""
-    if not schedule or schedule[0][0] != 1:
-        raise ValueError(f"a draft-length schedule must cover batch sizes from 1, got {schedule!r}")
-    return {
-        "method": "dflash",
-        "model": str(drafter_dir),
-        "num_speculative_tokens": schedule_drafts(schedule),
-        "num_speculative_tokens_per_batch_size": [list(r) for r in schedule],
-    }
+def dflash_spec(drafter_dir, drafts: int = 0, schedule: list[tuple[int, int, int]] | None = None) -> dict:
+    """vLLM's speculative_config for the DFlash drafter in `drafter_dir`: `drafts` tokens a step, or by batch size
+    with `schedule` [(B_lo, B_hi, K)], inclusive ranges from 1 (`adaflash.policy_cost.batch_schedule`; K = 0
+    verifies no drafts) as vLLM's num_speculative_tokens_per_batch_size (vLLM >= 0.32), its longest K as
+    num_speculative_tokens."""
+    spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": drafts}
+    if schedule is not None:
+        if not schedule or schedule[0][0] != 1:
+            raise ValueError(f"a draft-length schedule must cover batch sizes from 1, got {schedule!r}")
+        spec["num_speculative_tokens"] = schedule_drafts(schedule)
+        spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
+    return spec
 
 
 def schedule_drafts(schedule: list[tuple[int, int, int]]) -> int:

@@ -293,6 +293,11 @@ def known_policy(name: str) -> bool:
     return name == "auto" or name in POLICIES or re.fullmatch(r"fixed[1-9][0-9]*", name) is not None
 
 
+def cost_by_default(target: TargetModel) -> bool:
+    """Whether `auto` means the cost policy for `target`: on a CPU, where it was measured; on a GPU not yet."""
+    return target.lm_head.weight.device.type == "cpu"
+
+
 def make_policy(name: str, head=None, target: TargetModel | None = None, drafter: Drafter | None = None) -> VerifyPolicy:
     """The verify policy called `name` (POLICY_NAMES): fixedK verifies K tokens; cost calibrates (or reads
     the cached) step costs of `target` and `drafter`; auto is cost for a target on a CPU (ahead of the
@@ -301,8 +306,8 @@ def make_policy(name: str, head=None, target: TargetModel | None = None, drafter
     if not known_policy(name):
         raise ValueError(f"unknown verify policy {name!r}; valid: {POLICY_NAMES}")
     if name == "auto":
-        on_cpu = target is not None and drafter is not None and target.lm_head.weight.device.type == "cpu"
-        name = "cost" if on_cpu else "head" if head is not None else "fixed"
+        cost = target is not None and drafter is not None and cost_by_default(target)
+        name = "cost" if cost else "head" if head is not None else "fixed"
     return FixedPolicy(int(name[5:])) if name not in POLICIES else POLICIES[name](head, target, drafter)
 
 

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from adaflash.dflash_format import dflash_schedule_spec
+from adaflash.dflash_format import dflash_spec
 from adaflash.engine import POLICIES, Engine, Request, known_policy, make_policy
 from adaflash.layers import prepack
 from adaflash.venvs import REPO, venv_python
@@ -312,9 +312,9 @@ def vllm_spec(method: str, drafter_dir: Path | None, k_blk: int, schedule: list 
     if method == "vllm-ngram":
         return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method == "vllm-cost":
-        return dflash_schedule_spec(drafter_dir, schedule)
+        return dflash_spec(drafter_dir, schedule=schedule)
     verify = int(method[11:]) if method[11:] else k_blk  # tokens verified per step, as fixedK
-    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": verify - 1}
+    return dflash_spec(drafter_dir, verify - 1)
 
 
 def run_vllm_peers(methods: list[str], cells: list[tuple[str, int, list[BenchPrompt]]], max_new: int, ctx: dict) -> dict:

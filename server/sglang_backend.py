@@ -171,7 +171,7 @@ class SGLangEngine(StockEngine):
         super().__init__(server, drafter, version, policy, k_blk if drafter is not None else 1, *limits)
         self.cfg, self.work_dir, self.base_target = cfg, Path(cfg.work_dir), base_target
         self.mask_token, self.probe_ids = mask_token, probe_ids
-        self.stats.update(rows_inexact=0, swap_mode=None)
+        self.stats.update(swap_mode=None)
 
     def _export(self, drafter, version: str) -> Path:
         out = self.work_dir / f"dflash-v{version}"
@@ -243,7 +243,7 @@ class SGLangEngine(StockEngine):
 
     # ----------------------------------------------------------------- one request
 
-    def _request(self, st) -> tuple[str | None, list[Round]]:
+    def _request(self, st) -> tuple[str | None, list[Round] | None]:
         req = st.req
         params = {"max_new_tokens": req.max_new_tokens, "temperature": req.temperature, "skip_special_tokens": False}
         params["no_stop_trim"] = True  # keep the stop token: it was committed by a verify step
@@ -263,11 +263,7 @@ class SGLangEngine(StockEngine):
                 del st.out[keep:]
                 finish = "stop"  # a custom stop rule: leave the stream, SGLang aborts the request
                 break
-        rounds = rounds_from_chunks(len(req.prompt_ids), chunks, meta, self.k_blk) if finish != "cancelled" else []
-        if rounds is None:
-            self.stats["rows_inexact"] += 1
-            rounds = []
-        return finish, rounds
+        return finish, rounds_from_chunks(len(req.prompt_ids), chunks, meta, self.k_blk) if finish != "cancelled" else []
 
 
 PROBE_TEXTS = ("Explain in two sentences why the sky is blue.", "Write a Python function that returns the n-th Fibonacci number.")

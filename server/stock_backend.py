@@ -104,7 +104,8 @@ class StockEngine(abc.ABC):
         self.k_blk = k_blk
         self.max_batch, self.token_budget, self.max_model_len = max_batch, token_budget, max_model_len
         self.waiting: deque = deque()  # the child queues internally; kept for the runner's error path
-        self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "swaps": 0, "last_swap_s": None}
+        # rows_inexact: rows whose rounds the child's reports could not place (`_request` gave None), written without
+        self.stats = {"steps": 0, "verify_tokens": 0, "committed": 0, "swaps": 0, "last_swap_s": None, "rows_inexact": 0}
         self._live: dict[str, RequestState] = {}
         self._done: list[RequestState] = []
         self._cancel: set[str] = set()
@@ -205,8 +206,9 @@ class StockEngine(abc.ABC):
         threading.Thread(target=self._stream, args=(st,), name=name, daemon=True).start()
 
     @abc.abstractmethod
-    def _request(self, st: RequestState) -> tuple[str | None, list]:
-        """Stream one request from the child into st.out; -> (finish reason or None, its rounds)."""
+    def _request(self, st: RequestState) -> tuple[str | None, list | None]:
+        """Stream one request from the child into st.out; -> (finish reason or None, its rounds, or None where
+        the child's reports cannot place them exactly: the row is then written without rounds)."""
 
     def _events(self, st: RequestState, path: str, body: dict):
         """POST `body` to the child's `path` as a server-sent-event stream; yields each `data:` event's
@@ -237,7 +239,10 @@ class StockEngine(abc.ABC):
             self._streaming -= 1
         self._finish(st, finish, rounds)
 
-    def _finish(self, st: RequestState, finish: str | None, rounds: list) -> None:
+    def _finish(self, st: RequestState, finish: str | None, rounds: list | None) -> None:
+        if rounds is None:
+            self.stats["rows_inexact"] += 1
+            rounds = []
         st.rounds = rounds
         self.stats["verify_tokens"] += sum(r.verify_len for r in rounds)
         self.stats["committed"] += len(st.out)

@@ -36,7 +36,8 @@ import torch
 from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 
 from adaflash.buffer import Round
-from adaflash.dflash_format import dflash_schedule_spec, schedule_drafts, vllm_batched_tokens, vllm_cpu_env, vllm_python
+from adaflash.dflash_format import dflash_spec, schedule_drafts, vllm_batched_tokens, vllm_cpu_env, vllm_python
+from adaflash.engine import cost_by_default
 
 log = logging.getLogger("adaflash.server")
 
@@ -95,9 +96,7 @@ class VLLMServer(ChildServer):
         if enforce_eager:  # the hot-swap replaces oneDNN handles that a compiled graph could keep
             cmd.append("--enforce-eager")
         if drafter_dir is not None:
-            spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": num_spec}
-            if schedule:
-                spec = dflash_schedule_spec(drafter_dir, schedule)
+            spec = dflash_spec(drafter_dir, num_spec, schedule)
             cmd += [
                 "--speculative-config",
                 json.dumps(spec),
@@ -149,7 +148,6 @@ class VLLMEngine(StockEngine):
         k_blk = num_spec + 1 if drafter is not None else 1
         super().__init__(server, drafter, version, policy, k_blk, max_batch, token_budget, max_model_len)
         self.work_dir, self.mask_token_id = Path(work_dir), mask_token_id
-        self.stats["rows_inexact"] = 0
 
     def swap(self, drafter, head=None, version: str = "0") -> None:
         """Load a checked drafter into the running vLLM (between two of its steps); raises if vLLM refuses."""
@@ -176,7 +174,7 @@ class VLLMEngine(StockEngine):
         self.stats["swaps"] += 1
         self.stats["last_swap_s"] = round(took, 3)
 
-    def _request(self, st) -> tuple[str | None, list[Round]]:
+    def _request(self, st) -> tuple[str | None, list[Round] | None]:
         req = st.req
         body = {
             "model": "target",
@@ -201,10 +199,7 @@ class VLLMEngine(StockEngine):
                 del st.out[keep:]
                 finish = "stop"  # a custom stop rule: leave the stream, vLLM aborts the request
                 break
-        rounds = _rounds(len(req.prompt_ids), len(st.out), spec)
-        if rounds is None:
-            self.stats["rows_inexact"] += 1
-        return finish, rounds or []
+        return finish, _rounds(len(req.prompt_ids), len(st.out), spec)
 
 
 def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round] | None:
@@ -243,8 +238,7 @@ def vllm_policy(policy: str, target) -> str:
     """What the vLLM backend does with model.policy: `cost` (and `auto` for a target on a CPU, as on the
     builtin engine) drafts per step by batch size from a schedule chosen at start-up
     (`adaflash.policy_cost.stock_schedule`); the others a fixed draft length ("fixed")."""
-    on_cpu = target.model.lm_head.weight.device.type == "cpu"
-    return "cost" if policy == "cost" or (policy == "auto" and on_cpu) else "fixed"
+    return "cost" if policy == "cost" or (policy == "auto" and cost_by_default(target.model)) else "fixed"
 
 
 def build_vllm_engine(cfg, target) -> VLLMEngine:

@@ -126,7 +126,7 @@ def test_a_draft_length_schedule_reaches_vllms_command_line(tmp_path):
     its longest K the draft length vLLM sizes its steps by; a schedule not starting at batch 1 is refused."""
     from adaflash.server.vllm_backend import VLLMServer
 
-    from adaflash.dflash_format import dflash_schedule_spec
+    from adaflash.dflash_format import dflash_spec
 
     sched = [(1, 1, 4), (2, 4, 2), (5, 16, 0)]
     server = VLLMServer(
@@ -138,9 +138,9 @@ def test_a_draft_length_schedule_reaches_vllms_command_line(tmp_path):
     assert spec == {"method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 4,
                     "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 4, 2], [5, 16, 0]]}  # fmt: skip
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == str(16 * 5)  # 16 sequences x (4 drafts + anchor) > 64
-    assert dflash_schedule_spec("d", [(1, 64, 0)])["num_speculative_tokens"] == 1  # vLLM wants >= 1
+    assert dflash_spec("d", schedule=[(1, 64, 0)])["num_speculative_tokens"] == 1  # vLLM wants >= 1
     with pytest.raises(ValueError, match="from 1"):
-        dflash_schedule_spec("d", [(2, 8, 3)])
+        dflash_spec("d", schedule=[(2, 8, 3)])
 
 
 def test_vllm_rounds_are_exact_or_left_out():
