@@ -25,7 +25,7 @@ class ModelSection:
     drafter_dtype: str = "auto"  # auto: bf16 where this CPU runs it fast
     drafter_version: str = "0"  # version label of the initial drafter (the registry's after a hot-swap)
     # auto (cost on a CPU; on a GPU head where the drafter has one, else fixed) | head | cost | fixed[K] | ema | ar;
-    # backend vllm: auto / cost draft per step by batch size (a schedule chosen at start-up), fixed[K], ar
+    # backend vllm: auto / cost draft per step by batch size (a schedule re-chosen from live acceptance), fixed[K], ar
     policy: str = "auto"
 
     def __post_init__(self):
@@ -123,9 +123,12 @@ class VLLMSection:
     startup_timeout_s: float = 600.0  # vLLM loads and warms up the models (about a minute here)
     mask_token_id: int = 15  # placeholder id of the DFlash MASK slot (its embedding is the drafter's learned mask)
     extra_args: list[str] = field(default_factory=list)  # more `vllm serve` flags, passed through
+    follow_every: int = 16  # policy cost: finished requests between re-choices of the schedule from live acceptance (0: fixed)
 
     def __post_init__(self):
         _positive("vllm", kv_cache_gb=self.kv_cache_gb, threads=self.threads, startup_timeout_s=self.startup_timeout_s)
+        if self.follow_every < 0:
+            raise ValueError(f"vllm.follow_every must be >= 0 (0 = the start-up schedule stays), got {self.follow_every}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"vllm.port must be in 0..65535 (0 = any free port), got {self.port}")
 
@@ -184,7 +187,7 @@ class ServeConfig:
         # stock engines have no per-request knob; vLLM takes a draft length per batch size (the cost policy's schedule)
         per_step = ("head", "ema") if self.backend == "vllm" else ("head", "ema", "cost")
         if self.backend != "builtin" and self.model.policy in per_step:
-            cost = ", cost (drafts per step by batch size, chosen at start-up)" if self.backend == "vllm" else ""
+            cost = ", cost (drafts per step by batch size, re-chosen from live acceptance)" if self.backend == "vllm" else ""
             raise ValueError(
                 f"model.policy {self.model.policy!r} needs the builtin backend; with backend {self.backend} use "
                 f"auto or fixed (verify the whole block), fixedK (K tokens per step){cost} or ar (no drafter)"

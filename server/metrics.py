@@ -42,6 +42,11 @@ class _Collector:
                 "rows a stock engine could not cut into exact rounds, written without them (the trainer skips them)",
                 engine.stats.get("rows_inexact", 0),
             ),
+            (
+                "adaflash_schedule_updates",
+                "times vLLM's draft length per batch size was re-chosen from live acceptance (policy cost)",
+                engine.stats.get("schedule_updates", 0),
+            ),
             ("adaflash_engine_step_errors", "engine steps that raised (their requests failed)", c.step_errors),
             ("adaflash_drafter_swaps", "drafter swaps that went live in the engine", engine.stats["swaps"]),
         ] + self._swapper_counters():

@@ -28,16 +28,19 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 
 from adaflash.buffer import Round
 from adaflash.dflash_format import dflash_spec, schedule_drafts, vllm_batched_tokens, vllm_cpu_env, vllm_python
 from adaflash.engine import cost_by_default
+from adaflash.policy_cost import LiveProfile, batch_ranges, batch_rates
 
 log = logging.getLogger("adaflash.server")
 
@@ -66,6 +69,7 @@ class VLLMServer(ChildServer):
         enforce_eager: bool = True,
         extra_args: list[str] | None = None,
         schedule: list[tuple[int, int, int]] | None = None,
+        schedule_file: Path | None = None,
     ):
         if schedule:  # drafts per step by batch size (the cost policy's start-up choice); its longest K caps the step
             num_spec = schedule_drafts(schedule)
@@ -105,11 +109,16 @@ class VLLMServer(ChildServer):
                 "--worker-extension-cls",
                 "adaflash_vllm.DraftSwap",
             ]
+        follow = {}
+        if schedule and schedule_file is not None:  # later schedules (ScheduleFollower) are re-read between steps
+            cmd += ["--scheduler-cls", "adaflash_schedule.FollowSchedule"]
+            follow["ADAFLASH_VLLM_SCHEDULE"] = str(schedule_file)
         env = dict(
             os.environ,
             VLLM_SERVER_DEV_MODE="1",
             PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")])),
             **vllm_cpu_env(threads, kv_cache_gb),  # vLLM-CPU uses 1 thread unless told
+            **follow,
         )
         super().__init__(cmd + list(extra_args or []), env, port, log_path)
 
@@ -141,6 +150,7 @@ class VLLMEngine(StockEngine):
         work_dir: Path,
         mask_token_id: int,
         schedule: list[tuple[int, int, int]] | None = None,
+        follower: ScheduleFollower | None = None,
     ):
         policy = "vllm-cost" if schedule else f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar"
         if schedule:
@@ -148,6 +158,9 @@ class VLLMEngine(StockEngine):
         k_blk = num_spec + 1 if drafter is not None else 1
         super().__init__(server, drafter, version, policy, k_blk, max_batch, token_budget, max_model_len)
         self.work_dir, self.mask_token_id = Path(work_dir), mask_token_id
+        self.follower = follower
+        if follower is not None:
+            self.stats.update(schedule=follower.schedule, schedule_updates=0)
 
     def swap(self, drafter, head=None, version: str = "0") -> None:
         """Load a checked drafter into the running vLLM (between two of its steps); raises if vLLM refuses."""
@@ -173,6 +186,12 @@ class VLLMEngine(StockEngine):
         self.slot = DrafterSlot(drafter, head, version)
         self.stats["swaps"] += 1
         self.stats["last_swap_s"] = round(took, 3)
+        if self.follower is not None:  # the traffic's acceptance so far measured the old drafter
+            self._follow(self.follower.reset(version))
+
+    def _follow(self, changed: bool) -> None:
+        if changed:
+            self.stats.update(schedule=self.follower.schedule, schedule_updates=self.follower.updates)
 
     def _request(self, st) -> tuple[str | None, list[Round] | None]:
         req = st.req
@@ -199,7 +218,89 @@ class VLLMEngine(StockEngine):
                 del st.out[keep:]
                 finish = "stop"  # a custom stop rule: leave the stream, vLLM aborts the request
                 break
+        if self.follower is not None:
+            self._follow(self.follower.observe(spec, len(req.prompt_ids), len(st.out), len(self._live)))
         return finish, _rounds(len(req.prompt_ids), len(st.out), spec)
+
+
+class ScheduleFollower:
+    """The cost policy on vLLM, online: the draft length per batch size re-chosen from the acceptance of the
+    traffic served (`LiveProfile` over vLLM's per-step reports, the drafter's held-out profile its prior)
+    every `every` finished requests (where it promises SWITCH more tokens per second at the batch sizes served),
+    and from the prior again after a hot-swap; each new schedule goes to
+    the running vLLM through `path`, which its scheduler (vllm_plugin/adaflash_schedule.py) re-reads
+    between steps. K stays within `k_max`, the start-up schedule's longest (vLLM sized its drafting for
+    it: a longer one would need a restart)."""
+
+    SWITCH = 0.02
+
+    def __init__(self, cost, prior_cum, max_batch: int, path: Path, every: int = 16, context: float = 256.0):
+        self.cost, self.max_batch, self.path, self.every, self.context = cost, max_batch, Path(path), every, context
+        self.profile = LiveProfile(prior_cum)
+        self.batches = np.zeros(max_batch)  # [B] requests finished at each batch size, forgetting
+        self.k_max = len(prior_cum)
+        self.schedule = self._choose(sticky=False)
+        self.k_max = max(1, *(k for *_, k in self.schedule))  # vLLM's longest, schedule_drafts
+        self.updates, self._since = 0, 0
+        self._lock = threading.Lock()
+
+    def _choose(self, sticky: bool = True) -> list[tuple[int, int, int]]:
+        """The best K per batch size for the profile; `sticky`: unless that schedule promises SWITCH more tokens
+        per second than the one in force, over the batch sizes the traffic ran at (near-ties would flip with
+        every few requests), the one in force."""
+        rates = batch_rates(self.cost, self.profile.cum()[: self.k_max], self.max_batch, self.context, draft_always=True)  # [B, K + 1]
+        ks, rows = rates.argmax(1), np.arange(self.max_batch)  # [B]
+        if sticky:
+            old = np.array([k for lo, hi, k in self.schedule for _ in range(lo, hi + 1)])  # [B]
+            w = self.batches + 1e-3  # [B] how often requests finished at each batch size (a little of every size)
+            if (w * rates[rows, ks]).sum() < (1 + self.SWITCH) * (w * rates[rows, old]).sum():
+                return self.schedule
+        return batch_ranges(ks.tolist())
+
+    def observe(self, spec: dict | None, prompt_len: int, out_len: int, running: int = 1) -> bool:
+        """A finished request's vLLM report, and the requests running as it finished; -> whether the schedule changed."""
+        with self._lock:
+            if spec:
+                self.profile.observe(spec.get("per_step_drafted") or [], spec.get("per_step_accepted") or [])
+            self.batches *= 0.99
+            self.batches[min(max(running, 1), self.max_batch) - 1] += 1.0
+            self.context += 0.1 * (prompt_len + out_len / 2 - self.context)  # what a verified token attends to
+            self._since += 1
+            if self._since < self.every:
+                return False
+            self._since = 0
+            return self._update("traffic")
+
+    def reset(self, version: str) -> bool:
+        """A new drafter: the prior's schedule again, the traffic's steps forgotten."""
+        with self._lock:
+            self.profile.reset()
+            return self._update(f"version {version}", sticky=False)
+
+    def _update(self, why: str, sticky: bool = True) -> bool:
+        new = self._choose(sticky)
+        if new == self.schedule:
+            return False
+        log.info("vLLM drafts per step by batch size now %s (%s; was %s)", new, why, self.schedule)
+        self.schedule, self.updates = new, self.updates + 1
+        self.publish(why)
+        return True
+
+    def publish(self, why: str = "start-up") -> None:
+        """Write the schedule for vLLM's scheduler (at start-up: over a file an earlier server left there)."""
+        if why == "start-up":
+            Path(f"{self.path}.applied").unlink(missing_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"schedule": [list(r) for r in self.schedule], "tag": f"{self.updates}: {why}"}) + "\n")
+        tmp.replace(self.path)  # whole files only: vLLM's scheduler may read it at any step
+
+    def applied(self) -> list[list[int]] | None:
+        """The schedule vLLM's scheduler last took up (None: none yet, or it refused the last one)."""
+        try:
+            return json.loads(Path(f"{self.path}.applied").read_text()).get("schedule")
+        except (OSError, ValueError):
+            return None
 
 
 def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round] | None:
@@ -236,8 +337,8 @@ def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round] | N
 
 def vllm_policy(policy: str, target) -> str:
     """What the vLLM backend does with model.policy: `cost` (and `auto` for a target on a CPU, as on the
-    builtin engine) drafts per step by batch size from a schedule chosen at start-up
-    (`adaflash.policy_cost.stock_schedule`); the others a fixed draft length ("fixed")."""
+    builtin engine) drafts per step by batch size, a schedule chosen at start-up and re-chosen from live
+    acceptance (`ScheduleFollower`); the others a fixed draft length ("fixed")."""
     return "cost" if policy == "cost" or (policy == "auto" and cost_by_default(target.model)) else "fixed"
 
 
@@ -254,13 +355,21 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
     num_spec = (k or (drafter.block_size if drafter is not None else 1)) - 1
     if drafter is not None and not 1 <= num_spec < drafter.block_size:
         raise ValueError(f"model.policy {m.policy}: the vLLM backend verifies 2..{drafter.block_size} tokens per step")
-    schedule = None
+    schedule, follower, work = None, None, Path(v.work_dir)
     if drafter is not None and vllm_policy(m.policy, target) == "cost":
-        from adaflash.policy_cost import stock_schedule
+        from adaflash.cost import load_or_calibrate
+        from adaflash.policy_cost import stock_profile
 
-        schedule = stock_schedule(target.model, drafter, m.drafter, e.max_batch)
-        log.info("vLLM drafts per step by batch size (B_lo, B_hi, drafts): %s", schedule)
-    work = Path(v.work_dir)
+        follower = ScheduleFollower(
+            load_or_calibrate(target.model, drafter), stock_profile(drafter, m.drafter), e.max_batch, work / "schedule.json", v.follow_every
+        )
+        schedule = follower.schedule
+        again = f", re-chosen every {v.follow_every} finished requests" if v.follow_every else ""
+        log.info("vLLM drafts per step by batch size (B_lo, B_hi, drafts): %s%s", schedule, again)
+        if v.follow_every:
+            follower.publish()
+        else:  # 0: the start-up schedule stays
+            follower = None
     draft_dir = None
     if drafter is not None:
         draft_dir = work / f"dflash-v{m.drafter_version}"
@@ -285,6 +394,9 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
         v.enforce_eager,
         v.extra_args,
         schedule,
+        follower.path if follower is not None else None,
     )
     server.start(v.startup_timeout_s)
-    return VLLMEngine(server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work, v.mask_token_id, schedule)
+    return VLLMEngine(
+        server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work, v.mask_token_id, schedule, follower
+    )

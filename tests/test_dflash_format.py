@@ -138,6 +138,13 @@ def test_a_draft_length_schedule_reaches_vllms_command_line(tmp_path):
     assert spec == {"method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 4,
                     "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 4, 2], [5, 16, 0]]}  # fmt: skip
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == str(16 * 5)  # 16 sequences x (4 drafts + anchor) > 64
+    assert "--scheduler-cls" not in cmd and "ADAFLASH_VLLM_SCHEDULE" not in server.env  # no file: the schedule stays
+    follow = VLLMServer(
+        tmp_path / "python", tmp_path / "target", tmp_path / "drafter", 15, 1234, 2048, 16, 64, "float32", tmp_path / "log",
+        schedule=sched, schedule_file=tmp_path / "schedule.json",
+    )  # fmt: skip
+    assert follow.cmd[follow.cmd.index("--scheduler-cls") + 1] == "adaflash_schedule.FollowSchedule"
+    assert follow.env["ADAFLASH_VLLM_SCHEDULE"] == str(tmp_path / "schedule.json")
     assert dflash_spec("d", schedule=[(1, 64, 0)])["num_speculative_tokens"] == 1  # vLLM wants >= 1
     with pytest.raises(ValueError, match="from 1"):
         dflash_spec("d", schedule=[(2, 8, 3)])

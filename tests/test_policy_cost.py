@@ -26,7 +26,7 @@ from adaflash.cost import (
     solve_small,
 )
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
-from adaflash.policy_cost import CostPolicy, batch_schedule, choose_lengths, held_out_profile, plan_drafts, stock_schedule
+from adaflash.policy_cost import CostPolicy, LiveProfile, batch_schedule, choose_lengths, held_out_profile, plan_drafts, stock_schedule
 
 CHEAP = {"a": (0.01, 0.001, 0.0001), "d": (0.0005, 0.0001, 0.00001)}  # a machine where drafts pay if accepted at all
 
@@ -372,6 +372,71 @@ def test_stock_schedule_reads_the_drafters_held_out_acceptance(tmp_path, monkeyp
     monkeypatch.setattr("adaflash.policy_cost.load_or_calibrate", lambda t, d: c)  # the linear machine, not the tiny models timed
     sched = stock_schedule(target, drafter, tmp_path, 16)
     assert sched == batch_schedule(c, 0.5 ** np.arange(1, drafter.block_size), 16, draft_always=True)
+
+
+def test_live_profile_learns_the_traffics_acceptance_from_verify_steps():
+    """vLLM's per-step reports (drafts verified, accepted): positions up to the first rejection are labelled; with
+    no steps the profile is the prior, after many it is the traffic's; positions never verified keep the prior's
+    rate given the ones before; a reset (hot-swap) forgets the steps."""
+    prior = 0.5 ** np.arange(1, 8)  # [7]
+    live = LiveProfile(prior, strength=4.0)
+    np.testing.assert_allclose(live.cum(), prior)
+    live.observe([3, 3], [3, 1])  # all 3 accepted; 1 accepted, the 2nd rejected
+    np.testing.assert_allclose(live.verified[:4], [2, 2, 1, 0]) and np.testing.assert_allclose(live.accepted[:4], [2, 1, 1, 0])
+    for _ in range(400):  # traffic verifying 3 drafts: 7 steps in 10 accept all, the others 0, 1 and 2 of them
+        live.observe([3] * 10, [3] * 7 + [0, 1, 2])
+    p = live.cum() / np.concatenate([[1.0], live.cum()[:-1]])  # [7] rates given the ones before
+    np.testing.assert_allclose(p[:3], [9 / 10, 8 / 9, 7 / 8], atol=0.01)
+    np.testing.assert_allclose(p[3:], 0.5)  # positions 4-7: never verified, the prior's 1/2
+    assert live.cum()[0] > 0.85 > prior[0]
+    live.reset()
+    np.testing.assert_allclose(live.cum(), prior)
+
+
+def test_the_vllm_schedule_follows_the_traffic_and_goes_back_after_a_swap(tmp_path):
+    """`serve --backend vllm --policy cost`: every `every` finished requests the schedule is re-chosen from the
+    traffic's acceptance (vLLM's reports) and written whole for vLLM's scheduler; traffic that accepts every draft
+    drafts at more batch sizes, traffic that accepts none at fewer; K never exceeds the start-up schedule's
+    longest (vLLM sized its drafting for it); traffic like the prior changes nothing; a hot-swap goes back to the
+    prior's schedule."""
+    from adaflash.server.config import VLLMSection
+    from adaflash.server.vllm_backend import ScheduleFollower
+
+    with pytest.raises(ValueError, match="follow_every must be >= 0"):
+        VLLMSection(follow_every=-1)
+    c, prior = linear_cost(), 0.5 ** np.arange(1, 8)
+    f = ScheduleFollower(c, prior, 32, tmp_path / "schedule.json", every=4)
+    start = f.schedule
+    assert start == batch_schedule(c, prior, 32, draft_always=True)
+    (tmp_path / "schedule.json.applied").write_text('{"schedule": [[1, 32, 7]]}')  # an earlier server's
+    f.publish()
+    assert [tuple(r) for r in json.loads((tmp_path / "schedule.json").read_text())["schedule"]] == start and f.applied() is None
+    k_of = lambda sched: {b: k for lo, hi, k in sched for b in range(lo, hi + 1)}  # noqa: E731
+    spec = lambda acc: {"per_step_drafted": [f.k_max] * 20, "per_step_accepted": [acc] * 20}  # noqa: E731
+    assert [f.observe(spec(f.k_max), 200, 48) for _ in range(3)] == [False] * 3  # not before `every` requests
+    f.profile.reset()
+    as_prior = {"per_step_drafted": [3] * 8, "per_step_accepted": [0, 0, 0, 0, 1, 1, 2, 3]}  # each draft 1/2, given the ones before
+    assert not any(f.observe(as_prior, 200, 48, 1 + i % 32) for i in range(40)) and f.schedule == start  # near-ties do not flip
+    alone = ScheduleFollower(c, prior, 32, tmp_path / "alone.json", every=4)
+    for _ in range(20):  # served alone, where the start-up schedule drafts its longest already: the batch sizes served decide
+        alone.observe(spec(f.k_max), 200, 48, running=1)
+    assert alone.updates == 0
+    for i in range(20):
+        f.observe(spec(f.k_max), 200, 48, running=1 + i % 32)
+    good = k_of(f.schedule)
+    assert f.updates >= 1 and all(good[b] >= k_of(start)[b] for b in good) and good != k_of(start)
+    assert max(good.values()) <= f.k_max == max(k for *_, k in start)
+    written = json.loads((tmp_path / "schedule.json").read_text())
+    assert [tuple(r) for r in written["schedule"]] == f.schedule and "traffic" in written["tag"]
+    assert f.applied() is None  # vLLM has not answered
+    (tmp_path / "schedule.json.applied").write_text(json.dumps(written))
+    assert f.applied() == written["schedule"]
+    for i in range(40):
+        f.observe(spec(0), 200, 48, running=1 + i % 32)
+    bad = k_of(f.schedule)
+    assert all(bad[b] <= k_of(start)[b] for b in bad) and sum(bad.values()) < sum(k_of(start).values())
+    assert f.reset("7") and k_of(f.schedule) == k_of(batch_schedule(c, prior, 32, f.context, draft_always=True))
+    assert "version 7" in json.loads((tmp_path / "schedule.json").read_text())["tag"]
 
 
 def test_cost_policy_is_lossless():

@@ -145,6 +145,7 @@ def test_metrics_parse_and_count(server):
         "adaflash_trajectory_rows",
         "adaflash_drafter_swaps",
         "adaflash_trajectory_rows_inexact",
+        "adaflash_schedule_updates",
         "adaflash_registry_refused_versions",
         "adaflash_registry_poll_errors",
     ):
@@ -164,6 +165,7 @@ def test_metrics_parse_and_count(server):
     assert value("adaflash_drafter_info", version="0", policy="cost") == 1  # auto: the cost policy
     assert value("adaflash_drafter_swaps") == 0 and value("adaflash_registry_refused_versions") == 0
     assert value("adaflash_trajectory_rows_inexact") == 0  # the builtin engine records every round
+    assert value("adaflash_schedule_updates") == 0  # a schedule per batch size is vLLM's (policy cost)
     assert fams["adaflash_time_to_first_token_seconds"].type == "histogram"
 
 

@@ -6,6 +6,7 @@ rows with vLLM's exact per-step acceptance, and hot-swaps registry versions into
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -293,3 +294,56 @@ def test_stock_vllm_drafts_by_batch_size_losslessly(gsm8k, stock_dflash):
         assert res[("vllm-cost", "gsm8k", c)]["outputs"] == res[("vllm-dflash", "gsm8k", c)]["outputs"]  # the target's
     busy, alone = res[("vllm-cost", "gsm8k", len(gsm8k))]["tau"], res[("vllm-cost", "gsm8k", 1)]["tau"]
     assert 1.0 <= busy < alone and 1.3 < alone <= 4.0, (busy, alone)  # plain while 3+ run (not at the tail), 3 drafts alone
+
+
+def test_a_running_vllm_takes_up_each_new_schedule_between_steps(target, gsm8k, drafter, tmp_path):
+    """`serve --backend vllm --policy cost` re-chooses the draft length per batch size as traffic comes
+    (ScheduleFollower) and writes it for vLLM's scheduler (vllm_plugin/adaflash_schedule.py), which takes it up
+    between steps: vLLM's own per-step reports then show the new K (none at K = 0), the output stays the target's,
+    and a torn file is refused with the schedule in force kept."""
+    from adaflash.server.stock_backend import free_port
+    from adaflash.server.vllm_backend import VLLMServer
+
+    from adaflash.dflash_format import export_dflash
+
+    export_dflash(drafter, tmp_path / "dflash", 15, torch.float32)
+    path = tmp_path / "schedule.json"
+    server = VLLMServer(
+        VLLM_PY, stock_hf_dir("smollm2"), tmp_path / "dflash", 15, free_port(), 2048, 4, 256, "float32", tmp_path / "vllm.log",
+        kv_cache_gb=1, threads=2, schedule=[(1, 4, 3)], schedule_file=path,
+    )  # fmt: skip
+    server.start(900)
+
+    def ask() -> tuple[list[int], list[int]]:
+        body = {"model": "target", "prompt": gsm8k[0], "max_tokens": 32, "temperature": 0, "stream": True,
+                "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        tokens, spec = [], None
+        with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=300) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line and line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    spec = (chunk.get("metrics") or {}).get("speculative_decoding") or spec
+                    tokens += [t for c in chunk.get("choices") or [] for t in c.get("token_ids") or []]
+        return tokens, (spec or {}).get("per_step_drafted") or []
+
+    def apply(text: str, expect: str) -> str:
+        path.write_text(text)
+        for _ in range(20):  # the scheduler looks at the file before a step (at most every 0.2 s)
+            ask()
+            answer = Path(f"{path}.applied").read_text() if Path(f"{path}.applied").exists() else ""
+            if expect in answer:
+                return answer
+        raise AssertionError(f"vLLM did not take up {text!r}: {answer!r}")
+
+    try:
+        ref, drafted = ask()
+        assert ref and set(drafted) == {3}
+        for sched, k in (([[1, 4, 1]], {1}), ([[1, 4, 0]], set()), ([[1, 1, 2], [2, 4, 0]], {2})):
+            apply(json.dumps({"schedule": sched, "tag": str(sched)}), str(sched))
+            out, drafted = ask()
+            assert out == ref and set(drafted) == k, (sched, drafted)
+        assert "error" in apply("{torn", "error")
+        out, drafted = ask()
+        assert out == ref and set(drafted) == {2}  # the schedule in force stays
+    finally:
+        server.stop()
