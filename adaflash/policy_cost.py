@@ -287,6 +287,11 @@ class LiveProfile:
         self.verified = f * self.verified + seen.sum(0)
         self.steps += len(drafted)
 
+    def age(self, factor: float) -> None:
+        """Scale the traffic's evidence by `factor` without a step to show for it (a stock engine that verified no
+        drafts: the profile drifts back to the prior, so a schedule that stopped drafting is tried again)."""
+        self.accepted, self.verified = factor * self.accepted, factor * self.verified
+
     def cum(self) -> np.ndarray:
         """[J] P(the first j drafts all accepted)."""
         return np.cumprod((self.accepted + self.strength * self.prior) / (self.verified + self.strength))
