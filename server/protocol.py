@@ -270,7 +270,10 @@ def _prompt_ids(body: dict, chat: bool, limits: Limits, encode_chat: Callable, e
     if isinstance(prompt, str):
         if not prompt:
             raise bad("'prompt' must not be empty", "prompt")
-        return list(encode_text(prompt))
+        ids = list(encode_text(prompt))
+        if not ids:  # e.g. control characters the tokenizer drops: the engine needs a token to start from
+            raise bad("'prompt' has no tokens once tokenized; send text or token ids", "prompt")
+        return ids
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if not all(0 <= t < limits.vocab_size for t in prompt):
             raise bad(f"token ids in 'prompt' must be in [0, {limits.vocab_size})", "prompt")

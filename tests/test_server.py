@@ -69,6 +69,7 @@ CASES = [  # (path, body, status, param or code expected in the error)
     ("/v1/chat/completions", {**CHAT, "top_p": 0.5}, 400, "unsupported_value"),
     ("/v1/chat/completions", {**CHAT, "tools": []}, 400, "unsupported_parameter"),
     ("/v1/completions", {**COMP, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**COMP, "prompt": "\x16"}, 400, "prompt"),  # no tokens once tokenized (found by test_server_fuzz)
     ("/v1/completions", {**COMP, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {**COMP, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {**COMP, "prompt": [1, 10**9]}, 400, "prompt"),
