@@ -173,3 +173,30 @@ def test_the_vllm_backend_drafts_by_batch_size_under_auto_on_a_cpu():
     target = SimpleNamespace(model=tiny_target())
     assert vllm_policy("auto", target) == vllm_policy("cost", target) == "cost"
     assert vllm_policy("fixed", target) == vllm_policy("fixed4", target) == "fixed"
+
+
+def test_a_hot_swap_into_vllm_puts_the_priors_schedule_back(tmp_path):
+    """`serve --backend vllm --policy cost`: the traffic moved the schedule; a swapped-in version is a new drafter,
+    so the schedule goes back to the prior's (the traffic's steps measured the old one), vLLM gets the file, and the
+    stats say it. The child vLLM is a stand-in here (tests/test_vllm.py swaps into a real one)."""
+    from types import SimpleNamespace
+
+    from adaflash.server.vllm_backend import ScheduleFollower, VLLMEngine
+    from test_policy_cost import linear_cost
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    calls = []
+    server = SimpleNamespace(name="vLLM", rpc=lambda *a: calls.append(a) or ["ok"], reset_prefix_cache=lambda: calls.append("reset"))
+    follower = ScheduleFollower(linear_cost(), [0.5] * (drafter.block_size - 1), 8, tmp_path / "schedule.json", every=1)
+    start = follower.schedule
+    engine = VLLMEngine(server, drafter, "1", 5, 8, 64, 512, tmp_path, 15, start, follower)
+    spec = {"per_step_drafted": [follower.k_max] * 20, "per_step_accepted": [0] * 20}
+    for i in range(8):  # traffic that accepts nothing: fewer drafts
+        engine._follow(follower.observe(spec, 20, 16, running=1 + i))
+    moved = engine.stats["schedule"]
+    assert moved != start and engine.stats["schedule_updates"] == follower.updates >= 1
+    engine.swap(tiny_drafter(target, seed=1), None, "2")
+    assert calls[0][0] == "adaflash_load_draft" and calls[1] == "reset"
+    assert engine.stats["schedule"] == follower.schedule == start and engine.stats["schedule_updates"] == follower.updates
+    assert "version 2" in json.loads((tmp_path / "schedule.json").read_text())["tag"]
