@@ -275,7 +275,7 @@ class LiveProfile:
 
     def reset(self) -> None:
         """Forget the traffic's steps (a hot-swap: they measured the old drafter)."""
-        self.accepted, self.verified, self.steps = np.zeros(len(self.prior)), np.zeros(len(self.prior)), 0
+        self.accepted, self.verified = np.zeros(len(self.prior)), np.zeros(len(self.prior))
 
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
         """One request's verify steps: drafts each verified [S] and accepted [S]."""
@@ -285,7 +285,6 @@ class LiveProfile:
         f = self.forget ** len(drafted)
         self.accepted = f * self.accepted + (y * seen).sum(0)
         self.verified = f * self.verified + seen.sum(0)
-        self.steps += len(drafted)
 
     def age(self, factor: float) -> None:
         """Scale the traffic's evidence by `factor` without a step to show for it (a stock engine that verified no

@@ -40,7 +40,7 @@ from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 from adaflash.buffer import Round
 from adaflash.dflash_format import dflash_spec, schedule_drafts, vllm_batched_tokens, vllm_cpu_env, vllm_python
 from adaflash.engine import cost_by_default
-from adaflash.policy_cost import LiveProfile, batch_ranges, batch_rates
+from adaflash.policy_cost import LiveProfile, batch_ranges, batch_rates, batch_schedule
 
 log = logging.getLogger("adaflash.server")
 
@@ -241,11 +241,11 @@ class ScheduleFollower:
         self.cost, self.max_batch, self.path, self.every, self.context = cost, max_batch, Path(path), every, context
         self.profile = LiveProfile(prior_cum)
         self.batches = np.zeros(max_batch)  # [B] requests finished at each batch size, forgetting
-        self.k_max = len(prior_cum)
-        self.schedule = self._choose(sticky=False)
-        self.k_max = max(1, *(k for *_, k in self.schedule))  # vLLM's longest, schedule_drafts
+        self.schedule = batch_schedule(cost, prior_cum, max_batch, context, draft_always=True)
+        self.k_max = schedule_drafts(self.schedule)  # what vLLM sizes its drafting for at start-up
         self.updates, self._since = 0, 0
         self._lock = threading.Lock()
+        Path(f"{self.path}.applied").unlink(missing_ok=True)  # an earlier server's answer
 
     def _choose(self, sticky: bool = True) -> list[tuple[int, int, int]]:
         """The best K per batch size for the profile; `sticky`: unless that schedule promises SWITCH more tokens
@@ -294,19 +294,10 @@ class ScheduleFollower:
 
     def publish(self, why: str = "start-up") -> None:
         """Write the schedule for vLLM's scheduler (at start-up: over a file an earlier server left there)."""
-        if why == "start-up":
-            Path(f"{self.path}.applied").unlink(missing_ok=True)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"schedule": [list(r) for r in self.schedule], "tag": f"{self.updates}: {why}"}) + "\n")
         tmp.replace(self.path)  # whole files only: vLLM's scheduler may read it at any step
-
-    def applied(self) -> list[list[int]] | None:
-        """The schedule vLLM's scheduler last took up (None: none yet, or it refused the last one)."""
-        try:
-            return json.loads(Path(f"{self.path}.applied").read_text()).get("schedule")
-        except (OSError, ValueError):
-            return None
 
 
 def _rounds(prompt_len: int, out_len: int, spec: dict | None) -> list[Round] | None:

@@ -405,12 +405,13 @@ def test_the_vllm_schedule_follows_the_traffic_and_goes_back_after_a_swap(tmp_pa
     with pytest.raises(ValueError, match="follow_every must be >= 0"):
         VLLMSection(follow_every=-1)
     c, prior = linear_cost(), 0.5 ** np.arange(1, 8)
+    applied = tmp_path / "schedule.json.applied"
+    applied.write_text('{"schedule": [[1, 32, 7]]}')  # an earlier server's
     f = ScheduleFollower(c, prior, 32, tmp_path / "schedule.json", every=4)
     start = f.schedule
     assert start == batch_schedule(c, prior, 32, draft_always=True)
-    (tmp_path / "schedule.json.applied").write_text('{"schedule": [[1, 32, 7]]}')  # an earlier server's
     f.publish()
-    assert [tuple(r) for r in json.loads((tmp_path / "schedule.json").read_text())["schedule"]] == start and f.applied() is None
+    assert [tuple(r) for r in json.loads((tmp_path / "schedule.json").read_text())["schedule"]] == start and not applied.exists()
     k_of = lambda sched: {b: k for lo, hi, k in sched for b in range(lo, hi + 1)}  # noqa: E731
     spec = lambda acc: {"per_step_drafted": [f.k_max] * 20, "per_step_accepted": [acc] * 20}  # noqa: E731
     assert [f.observe(spec(f.k_max), 200, 48) for _ in range(3)] == [False] * 3  # not before `every` requests
@@ -428,9 +429,7 @@ def test_the_vllm_schedule_follows_the_traffic_and_goes_back_after_a_swap(tmp_pa
     assert max(good.values()) <= f.k_max == max(k for *_, k in start)
     written = json.loads((tmp_path / "schedule.json").read_text())
     assert [tuple(r) for r in written["schedule"]] == f.schedule and "traffic" in written["tag"]
-    assert f.applied() is None  # vLLM has not answered
-    (tmp_path / "schedule.json.applied").write_text(json.dumps(written))
-    assert f.applied() == written["schedule"]
+    assert not applied.exists()  # vLLM has not answered
     for i in range(40):
         f.observe(spec(0), 200, 48, running=1 + i % 32)
     bad = k_of(f.schedule)
