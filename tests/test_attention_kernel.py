@@ -110,7 +110,7 @@ def test_linear_gives_a_row_the_same_bits_alone_or_among_others(dtype):
         x = torch.randn(100, k).to(dtype)
         with torch.no_grad():
             together = lin(x)
-            for rows in (1, 2, 7, 33, 40, 99):
+            for rows in (1, 2, 3, 4, 7, 33, 40, 99):
                 for i in range(0, 100 - rows, rows):
                     assert torch.equal(lin(x[i : i + rows]), together[i : i + rows]), (k, n, rows, i)
 
