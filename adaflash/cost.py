@@ -388,7 +388,7 @@ def machine_key(target, drafter) -> dict:
         except (OSError, StopIteration):
             pass
     from adaflash.kernels.cpu_build import signature
-    from adaflash.layers import MIN_ROWS
+    from adaflash.layers import MIN_ROWS, PAD_ROWS
     from adaflash.quant import weight_format
     from adaflash.target import fingerprint
 
@@ -400,7 +400,7 @@ def machine_key(target, drafter) -> dict:
         "rows": "forward",  # calibrations since the row staircase (time_rows) is timed on whole forwards
         "context": LONG_CONTEXT,  # calibrations since verification is also timed at long contexts (the QK feature)
         "kernels": signature(),  # the C++ kernels' sources and flags: other kernels, other step costs
-        "min_rows": MIN_ROWS,  # oneDNN calls of fewer rows are padded to this many: 1-3 rows cost what 4 do
+        "small_rows": [PAD_ROWS, MIN_ROWS],  # oneDNN calls of 1..PAD_ROWS rows padded to MIN_ROWS: they cost what 4 rows do
         "target": fingerprint(target),
         "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",

@@ -121,7 +121,7 @@ def packed_mm(flat: torch.Tensor, pack, bias: torch.Tensor | None = None) -> tor
     the AMX kernel) bfloat16 goes in calls of at most 32 rows: on a CPU with AMX, oneDNN's sums for a call of more rows
     depend on where a row falls (1 to 37 of 40 rows got other bits than alone, by shape); up to 32 rows a
     row is its own there too, and such a call costs about what one row does. Prompts (`prompt_rows`) go
-    one call each instead. One to three rows go through the 4-row path (`_one_call`): the 1-row kernel sums
+    one call each instead. One or two rows go through the 4-row path (`_one_call`): the 1-row kernel sums
     in another order for some shapes (SmolLM2's down_proj, in 1,536), so a token decoded alone got other
     last bits than the same token in a verify block; and the 4-row kernel is the faster one."""
     if isinstance(pack, amx_cpu.Packed):
@@ -137,18 +137,20 @@ def packed_mm(flat: torch.Tensor, pack, bias: torch.Tensor | None = None) -> tor
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-MIN_ROWS = 4  # fewer rows go through oneDNN padded to this many (`_one_call`)
+PAD_ROWS = 2  # oneDNN calls of at most this many rows are padded to MIN_ROWS (`_one_call`)
+MIN_ROWS = 4
 
 
 def _one_call(flat: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One oneDNN call over all rows of flat [M, K]; 1 to 3 rows padded to MIN_ROWS (zero rows, their
-    outputs dropped). oneDNN's kernels for 1-3 rows are slower than its 4-row one when the weights stream
-    from memory, as a decoding step's do (30 layers of SmolLM2's projections, weights not in cache, on the
-    2-core AVX-512 EPYC: float32 1 / 2 / 4 rows 23.9 / 22.1 / 17.0 ms, bfloat16 14.2 / 12.1 / 10.4 ms),
-    and a row's bits are the same in the 4-row call as in any other (one row alone is not: the 1-row
-    kernel sums in another order for some shapes, see `packed_mm`)."""
+    """One oneDNN call over all rows of flat [M, K]; one or two rows padded to MIN_ROWS (zero rows, their
+    outputs dropped). oneDNN's kernels for 1-2 rows are slower than its 3-4 row ones when the weights
+    stream from memory, as a decoding step's do (30 layers of SmolLM2's projections, weights not in cache,
+    on the 2-core AVX-512 EPYC: float32 1 / 2 / 4 rows 23.9 / 22.1 / 17.0 ms, bfloat16 14.2 / 12.1 / 10.4 ms);
+    three rows run as fast as four, and padded they lost the copy's time (whole forwards +5%). A row's bits
+    are the same in the 4-row call as in any other (one row alone is not: the 1-row kernel sums in another
+    order for some shapes, see `packed_mm`)."""
     m = flat.shape[0]
-    if m < MIN_ROWS:
+    if m <= PAD_ROWS:
         padded = flat.new_zeros(MIN_ROWS, flat.shape[1])  # [MIN_ROWS, K]
         padded[:m] = flat
         return torch.ops.mkldnn._linear_pointwise(padded, pack, bias, "none", [], "")[:m]
