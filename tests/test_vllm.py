@@ -288,12 +288,15 @@ def test_stock_vllm_runs_the_export_losslessly_with_the_same_acceptance(target, 
 def test_stock_vllm_drafts_by_batch_size_losslessly(gsm8k, stock_dflash):
     """`adaflash bench --methods vllm-cost` / `serve --backend vllm --policy cost`: vLLM takes a draft length per
     batch size (here plain decoding while 3 or more requests run, 3 drafts a step below), output unchanged. vLLM's
-    mean acceptance length of a request that never drafted is 1.0."""
+    mean acceptance length of a request that never drafted is 1.0. The busy cell's is not compared with the lone
+    one's: it averages each request's drafted steps only, which fall at the run's tail (2 or fewer left), where
+    GSM8K's closing lines are the most predictable (CI once measured 2.0 busy, 1.84 alone). Which batch sizes draw
+    which K is checked step by step in `test_a_running_vllm_takes_up_each_new_schedule_between_steps`."""
     res = stock_dflash.result()
     for c in (len(gsm8k), 1):
         assert res[("vllm-cost", "gsm8k", c)]["outputs"] == res[("vllm-dflash", "gsm8k", c)]["outputs"]  # the target's
     busy, alone = res[("vllm-cost", "gsm8k", len(gsm8k))]["tau"], res[("vllm-cost", "gsm8k", 1)]["tau"]
-    assert 1.0 <= busy < alone and 1.3 < alone <= 4.0, (busy, alone)  # plain while 3+ run (not at the tail), 3 drafts alone
+    assert busy >= 1.0 and 1.3 < alone <= 4.0, (busy, alone)  # 3 drafts a step alone
 
 
 def test_a_running_vllm_takes_up_each_new_schedule_between_steps(target, gsm8k, drafter, tmp_path):
