@@ -404,7 +404,7 @@ def machine_key(target, drafter) -> dict:
         "target": fingerprint(target),
         "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",
-        "drafter_dtype": str(drafter.fc.weight.dtype),
+        "drafter_dtype": str(drafter.dtype) + ("" if (fmt := weight_format(drafter)) == "float" else f"+{fmt}"),
         "draft_vocab": 0 if drafter.vocab is None else int(drafter.vocab.numel()),
     }
 

@@ -103,9 +103,13 @@ def export_dflash(
     every top-level *.safetensors file as drafter weights (so a length head stays in AdaFlash's format)."""
     from safetensors.torch import save_file
 
+    from adaflash.quant import weight_format
+
+    if (fmt := weight_format(drafter)) != "float":
+        raise ValueError(f"this drafter's projections are {fmt} (an inference form): load it in float32 or bfloat16 to export it")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = dtype or drafter.fc.weight.dtype
+    dtype = dtype or drafter.dtype
     state = {
         k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()
     }  # fc, hidden_norm, layers.*, norm, mask_embedding

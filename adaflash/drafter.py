@@ -143,22 +143,27 @@ class Drafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights: the projections may be q4, `adaflash.quant.quantise_drafter`)."""
+        return self.hidden_norm.weight.dtype
+
     def new_pool(self, rows: int = 0) -> KVPool:
         """An empty KV pool for this drafter's batch-1 caches (an engine keeps one per drafter version, for `rows`
         requests at once)."""
-        c, w = self.config, self.fc.weight
+        c, w = self.config, self.hidden_norm.weight
         return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, w.dtype, w.device, rows)
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         """batch 1: a row of this drafter's shared KV pool (what `draft_many` batches over); else a padded batch cache."""
         if batch == 1:
             return pool_of(self).take(capacity)
-        c, w = self.config, self.fc.weight
+        c, w = self.config, self.hidden_norm.weight
         return KVCache(c.num_layers, batch, c.num_kv_heads, c.head_dim, w.dtype, capacity, w.device)
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """[B, T, n*H] target-layer features -> [B, T, H] context features."""
-        return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(feats.to(self.dtype)))
 
     def block_input(self, anchor_tokens: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """[...] anchor ids -> [..., L, H] embeddings of [anchor, MASK x (L-1)], L = length or K."""
@@ -339,7 +344,7 @@ def deepen(drafter: Drafter, target: TargetModel, num_layers: int) -> Drafter:
         for k, v in [(k, v) for k, v in state.items() if k.startswith(last)]:
             zero = k.endswith(("o_proj.weight", "down_proj.weight"))
             state[f"layers.{i}." + k.removeprefix(last)] = torch.zeros_like(v) if zero else v.clone()
-    dtype = drafter.fc.weight.dtype
+    dtype = drafter.dtype
     out = Drafter(replace(c, num_layers=num_layers), target)
     out.load_state_dict(state)
     out = out.to(dtype).train(drafter.training).requires_grad_(drafter.fc.weight.requires_grad)
@@ -385,12 +390,38 @@ def _read_adaflash(path: Path) -> tuple[DrafterConfig, dict, torch.Tensor | None
     return config, load_file(str(path / WEIGHTS)), ids
 
 
+DRAFTER_DTYPES = ("auto", "float32", "bfloat16", "q4")
+
+
+def resolve_drafter_dtype(name: str | torch.dtype | None, target: TargetModel) -> tuple[torch.dtype, str | None]:
+    """A drafter dtype -> (activation dtype, "q4" or None for float projections). None: the target's dtype;
+    "q4": Q4_1 projections quantised from the drafter's weights (`adaflash.quant.quantise_drafter`) with
+    activations in bf16 where this CPU runs it fast; "auto": that q4 form where `q4_is_fast`, else bf16
+    where this CPU or GPU runs it fast, else float32. Drafts need not be exact: verification, in the target's dtype, is."""
+    from adaflash.quant import q4_is_fast
+    from adaflash.target import resolve_dtype
+
+    if not isinstance(name, str):
+        return name or target.dtype, None
+    if name not in DRAFTER_DTYPES and name not in ("fp32", "bf16"):
+        raise ValueError(f"drafter dtype must be one of {', '.join(DRAFTER_DTYPES)}; got {name!r}")
+    if name == "q4" or (name == "auto" and q4_is_fast(target.lm_head.weight.device)):
+        return resolve_dtype("auto"), "q4"
+    return resolve_dtype(name), None
+
+
+def drafter_dtype_of(drafter: Drafter) -> str | torch.dtype:
+    """What `load_drafter` takes to load another version in this drafter's form: "q4" or its dtype."""
+    from adaflash.quant import weight_format
+
+    return "q4" if weight_format(drafter) == "q4" else drafter.dtype
+
+
 def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: str | torch.dtype | None = None) -> Drafter:
     """Load a drafter directory for `target`, in AdaFlash's format or the DFlash checkpoint format
     (adaflash.dflash_format: an export of ours or a z-lab drafter); refuses mismatched targets and
-    non-finite weights. `dtype`: None = the target's; "auto" = bf16 where this CPU/GPU runs it fast."""
+    non-finite weights. `dtype`: see `resolve_drafter_dtype` (None = the target's)."""
     from adaflash.dflash_format import is_dflash_dir, read_dflash
-    from adaflash.target import resolve_dtype
 
     path = Path(path)
     if is_dflash_dir(path):
@@ -403,11 +434,15 @@ def load_drafter(path: str | Path, target: TargetModel, identity: dict, dtype: s
     if bad:
         raise ValueError(f"drafter {path} has non-finite weights in {bad[:3]}")
     drafter.load_state_dict(state)  # strict: shapes and names must match the config
-    dtype = resolve_dtype(dtype) if isinstance(dtype, str) else (dtype or target.dtype)
+    dtype, fmt = resolve_drafter_dtype(dtype, target)
     drafter = drafter.to(dtype).eval().requires_grad_(False)
     drafter.attach(target, dtype)
     if ids is not None:
         drafter.set_vocab(ids)
+    if fmt == "q4":
+        from adaflash.quant import quantise_drafter
+
+        quantise_drafter(drafter)
     prepack(drafter, drafter.lm_head, drafter.draft_head)  # shared LM head (already packed with the target) or copies
     return drafter
 

@@ -22,7 +22,9 @@ Three formats, two on PyTorch's CPU weight-only kernels and one on ours:
   float weights (round(w / s), s ~ max|w| / 127), so the weights differ from the file's (any target).
 
 `quantise_target` swaps the target's projection `Linear`s for these modules in place; the forward
-code is unchanged (a module call either way).
+code is unchanged (a module call either way). `quantise_drafter` does the same for a loaded drafter with
+q4 blocks quantised from its own float weights (no GGUF has them): its drafts need not be exact, and its
+pass reads its weights from memory every step.
 """
 
 from __future__ import annotations
@@ -70,6 +72,19 @@ def q4_1_pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     nib = qb[:, :, 0] | (qb[:, :, 1] << 4)  # [N, K/32, 16]
     dm = np.stack([d.astype(np.float16), m.astype(np.float16)], axis=-1).view(np.uint8)  # [N, K/32, 4]
     return np.concatenate([dm, nib], axis=-1).reshape(n, -1)
+
+
+def q4_1_quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float weights [N, K] -> Q4_1 blocks as llama.cpp quantises them (the `gguf` package's rounding, bit for
+    bit): per 32 inputs, in float32, d = (max - min) / 15 and q = trunc((w - min) / d + 0.5) clipped to
+    0..15 (0 where d = 0), then d and m = min stored as float16 -> (q uint8 [N, K], d, m float16 [N, K/32])."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // GROUP, GROUP)  # [N, K/32, 32]
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)  # [N, K/32, 1]
+    d = (hi - lo) / 15
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = ((g - lo) * inv + 0.5).floor().clamp(0, 15).to(torch.uint8)  # [N, K/32, 32] (>= 0: trunc = floor)
+    return q.reshape(n, k), d[..., 0].half(), lo[..., 0].half()
 
 
 def q8_0_unpack(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -266,6 +281,15 @@ def amx() -> bool:
         return False
 
 
+def q4_is_fast(device: torch.device | str = "cpu") -> bool:
+    """Whether a q4 drafter is the fast one here: a CPU with AVX-512 VNNI (the kernel's integer dot products)
+    and no AMX (where oneDNN's bfloat16 runs on tiles; not measured), the kernel built: where it was measured
+    faster than a bfloat16 drafter at every concurrency (docs/benchmarks.md)."""
+    from adaflash.target import cpu_flags
+
+    return torch.device(device).type == "cpu" and "avx512_vnni" in cpu_flags() and not amx() and q4_cpu.load() is not None
+
+
 def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None, q8_head: bool | None = None) -> dict:
     """Swap the target's projection Linears for `fmt` ("int4" or "q4" from `gguf`'s Q4_1 blocks, "int8"
     from the loaded float weights) in the model's dtype, in place, and for q4 the LM head for a `Q8Head`
@@ -298,6 +322,24 @@ def quantise_target(model: nn.Module, fmt: str, gguf: Path | None = None, q8_hea
             model.lm_head = Q8Head(model.lm_head.weight, *(torch.from_numpy(a) for a in found))
             head = "Q8_0"
     return {"format": fmt, "converted": len(blocks), "float_projections": float_projections, "float_tensors": kept, "head": head}
+
+
+def quantise_drafter(drafter: nn.Module) -> int:
+    """Swap a loaded drafter's projections (its layers' q/k/v/o and MLP, and the feature fusion `fc`) for
+    `Q4Linear`s quantised from their float weights (`q4_1_quantise`), in place, where their shapes fit the
+    kernel (outputs in 16s, inputs in 32s; others stay float). Inference only: the quantised drafter has
+    no float copy to train or export. -> projections converted. On a 2-core AVX-512 EPYC one request's pass
+    took 3.9 ms against bfloat16's 5.9 (docs/benchmarks.md), acceptance unchanged."""
+    _q4_kernel()
+    paths = ["fc"] + [f"layers.{i}.{p}" for i in range(len(drafter.layers)) for p in PROJECTIONS.values()]
+    done = 0
+    for path in paths:
+        old = drafter.get_submodule(path)
+        if type(old) is not Linear or old.bias is not None or old.out_features % q4_cpu.BLOCK or old.in_features % GROUP:
+            continue
+        _swap(drafter, path, Q4Linear(*q4_1_quantise(old.weight)))
+        done += 1
+    return done
 
 
 def weight_format(model: nn.Module) -> str:

@@ -387,12 +387,18 @@ def stock_hf_dir(source: str = "smollm2") -> Path:
     return out
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
 def bf16_is_fast() -> bool:
     """bf16 matmul pays off on CPUs with AVX512-BF16 or AMX; elsewhere it is emulated and slow."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

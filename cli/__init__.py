@@ -22,7 +22,7 @@ from pathlib import Path
 from adaflash.pipelines.prompts import read_prompts_file
 
 from adaflash.config import UsageError
-from adaflash.drafter import DEFAULT_DRAFTER
+from adaflash.drafter import DEFAULT_DRAFTER, DRAFTER_DTYPES
 from adaflash.target import TARGET_DTYPES
 
 CPU_VERIFY_LEN = 6  # the fastest single-request verify length measured on a 2-core CPU (docs/benchmarks.md)
@@ -33,6 +33,11 @@ TARGET_DTYPE_HELP = (
     "kernel, as llama.cpp computes: the fastest on a CPU with AVX-512 VNNI) and int8 (per-channel) run bf16 activations: faster where the "
     "CPU has AVX-512 BF16 or AMX (on a CPU they stay lossless through the row-invariant attention kernel, built with "
     "g++ on first use); int4-fp32/int8-fp32: float32 activations, slow"
+)
+DRAFTER_DTYPE_HELP = (
+    "drafter dtype; drafts need not be exact, so the output is the target's in any. q4: its projections quantised "
+    "to Q4_1 on load, on the q4 kernel (a pass reads ~3x fewer weight bytes than bfloat16); auto: q4 on a CPU with "
+    "AVX-512 VNNI and no AMX, else bfloat16 where the CPU or GPU runs it fast, else float32"
 )
 LOOKUP = 8  # prompt-lookup branch grafted into every tree by default (tokens; docs/benchmarks.md)
 PRETRAIN_HELP = """\
@@ -338,12 +343,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     vllm = None
     if any(is_vllm(m) for m in methods):
         from adaflash.dflash_format import vllm_python
+        from adaflash.quant import weight_format
         from adaflash.target import stock_hf_dir
 
         vllm_python(None)  # fails now, with what to run, when `make vllm` was not
+        peer_drafter = drafter  # what vLLM loads (an export) and the vllm-cost schedule prices: float projections
+        if weight_format(drafter) != "float":
+            peer_drafter = load_drafter_and_head(args.drafter, target, drafter.dtype)[0]
         vllm = {
             "target_dir": stock_hf_dir(args.target),
-            "drafter": drafter,
+            "drafter": peer_drafter,
             "work_dir": Path(args.out) / "vllm",
             "threads": threads,
             "token_budget": args.token_budget,
@@ -356,7 +365,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             quantised = resolve_target_dtype(args.dtype)[1] is not None
             priced = load_target(args.target, vllm["dtype"]) if quantised else target
-            vllm["schedule"] = stock_schedule(priced.model, drafter, args.drafter, max(concurrency))
+            vllm["schedule"] = stock_schedule(priced.model, peer_drafter, args.drafter, max(concurrency))
             print(f"[bench] vllm-cost: drafts per step by batch size {vllm['schedule']}", flush=True)
     llamacpp = None
     if LLAMACPP in methods:
@@ -481,7 +490,7 @@ def _add_prompt_args(p: argparse.ArgumentParser, split: str, n: int) -> None:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
     p.add_argument("--dtype", default="float32", choices=TARGET_DTYPES, help=TARGET_DTYPE_HELP)
-    p.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"])
+    p.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES, help=DRAFTER_DTYPE_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -541,8 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--drafter-dtype",
         default="auto",
-        choices=["float32", "bfloat16", "auto"],
-        help="drafter dtype (auto: bf16 where fast); drafts need not be exact, so output is unaffected",
+        choices=DRAFTER_DTYPES,
+        help=DRAFTER_DTYPE_HELP,
     )
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
@@ -568,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt-sets", default="runs/pretrain-smollm2/prompts", help="folder of eval.parquet (built if missing)")
     e.add_argument("--target", default="smollm2", help="'smollm2' (packaged GGUF), a .gguf file or an HF model directory")
     e.add_argument("--dtype", default="float32", choices=TARGET_DTYPES, help=TARGET_DTYPE_HELP)
-    e.add_argument("--drafter-dtype", default="auto", choices=["float32", "bfloat16", "auto"])
+    e.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES, help=DRAFTER_DTYPE_HELP)
     e.set_defaults(func=cmd_eval)
 
     t = sub.add_parser(

@@ -76,7 +76,7 @@ class HeldoutSection:
 @dataclass
 class ServeSection:
     policy: str = "fixed"  # traffic: fixed (verify the whole block) | head (the arm's length head once it has one)
-    drafter_dtype: str = "float32"  # float32 | bfloat16 | auto (bf16 where this CPU runs it fast)
+    drafter_dtype: str = "float32"  # float32 | bfloat16 | q4 | auto (q4 or bf16 where this CPU runs it fast)
     max_batch: int = 8  # requests decoded together
     token_budget: int = 512  # verify tokens per engine step
 

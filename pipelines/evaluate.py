@@ -32,7 +32,7 @@ class EvalSection:
     verify_lens: list[int] = field(default_factory=lambda: [16])  # tokens verified per round, anchor included
     trees: list[int] = field(default_factory=list)  # greedy token trees to compare, by node count (spec.build_tree)
     lookup: list[int] = field(default_factory=lambda: [0])  # each tree also with a prompt-lookup branch of these lengths (0 = none)
-    drafter_dtype: str = "auto"  # bf16 where fast: drafts need not be exact, verification (target dtype) is
+    drafter_dtype: str = "auto"  # q4 or bf16 where fast (drafter.resolve_drafter_dtype): drafts need not be exact, verification is
 
     def __post_init__(self):
         if not self.verify_lens and not self.trees:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adaflash.drafter import DEFAULT_DRAFTER
+from adaflash.drafter import DEFAULT_DRAFTER, DRAFTER_DTYPES
 from adaflash.engine import POLICY_NAMES, known_policy
 from adaflash.target import TARGET_DTYPES, TARGET_QUANT_DTYPES
 
@@ -22,7 +22,7 @@ class ModelSection:
     target: str = "smollm2"  # 'smollm2' (packaged GGUF), a .gguf file or an HF model directory
     dtype: str = "float32"  # target dtype: float32, or bfloat16 / int4 / q4 where the CPU runs them fast (lossless too: the guide)
     drafter: str = str(DEFAULT_DRAFTER)  # drafter directory (config.json + model.safetensors [+ length head])
-    drafter_dtype: str = "auto"  # auto: bf16 where this CPU runs it fast
+    drafter_dtype: str = "auto"  # auto: q4 on an AVX-512 VNNI CPU without AMX, else bf16 where fast (drafts need not be exact)
     drafter_version: str = "0"  # version label of the initial drafter (the registry's after a hot-swap)
     # auto (cost on a CPU; on a GPU head where the drafter has one, else fixed) | head | cost | fixed[K] | ema | ar;
     # backend vllm: auto / cost draft per step by batch size (a schedule re-chosen from live acceptance), fixed[K], ar
@@ -35,6 +35,8 @@ class ModelSection:
             raise ValueError(f"model.policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.dtype not in TARGET_DTYPES:
             raise ValueError(f"model.dtype must be one of {', '.join(TARGET_DTYPES)}, got {self.dtype!r}")
+        if self.drafter_dtype not in DRAFTER_DTYPES:
+            raise ValueError(f"model.drafter_dtype must be one of {', '.join(DRAFTER_DTYPES)}, got {self.drafter_dtype!r}")
 
     @property
     def fixed_len(self) -> int | None:

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from adaflash.drafter import load_drafter_and_head
+from adaflash.drafter import drafter_dtype_of, load_drafter_and_head
 from adaflash.registry import Registry, RegistryUnavailable, _transient
 
 log = logging.getLogger("adaflash.registry")
@@ -108,5 +108,5 @@ class HotSwapper:
 
     def _load(self, path: Path):
         current = self.engine.drafter
-        dtype = current.fc.weight.dtype if current is not None else None  # same dtype as the one serving
+        dtype = drafter_dtype_of(current) if current is not None else None  # the form of the one serving
         return load_drafter_and_head(path, self.target, dtype)

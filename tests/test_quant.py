@@ -21,7 +21,9 @@ from adaflash.quant import (
     Q4Linear,
     Q8Head,
     q4_1_pack,
+    q4_1_quantise,
     q4_1_unpack,
+    quantise_drafter,
     quantise_target,
     rope_rows,
     weight_format,
@@ -53,6 +55,74 @@ def test_q4_1_unpack_and_pack_round_trip():
     np.testing.assert_array_equal(q4_1_pack(q, d, m), blocks)
     dq = d.astype(np.float32).repeat(GROUP, 1) * q + m.astype(np.float32).repeat(GROUP, 1)  # [24, 96]
     np.testing.assert_array_equal(dq, file_values(blocks))
+
+
+def test_q4_1_quantise_is_llama_cpps_rounding_bit_for_bit():
+    """A drafter's Q4_1 blocks are quantised from its float weights as the `gguf` package (llama.cpp) does: the
+    same q, d and m for weights of every scale, a constant group (d = 0) and bfloat16 values included."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(48, 128)) * rng.uniform(1e-3, 3, size=(48, 1))
+    w[3, 32:64] = 0.25  # a constant group
+    w[5] = torch.tensor(w[5]).bfloat16().float().numpy()  # what a bfloat16 drafter holds
+    w = w.astype(np.float32)
+    q, d, m = q4_1_quantise(torch.from_numpy(w))
+    rq, rd, rm = q4_1_unpack(q4_1_blocks(w))
+    np.testing.assert_array_equal(q.numpy(), rq)
+    np.testing.assert_array_equal(d.numpy(), rd)
+    np.testing.assert_array_equal(m.numpy(), rm)
+    assert q.dtype == torch.uint8 and d.dtype == m.dtype == torch.float16 and int(q[3, 32:64].max()) == 0
+
+
+def test_q4_drafter_drafts_close_to_its_float_self_and_stays_lossless(tmp_path):
+    """`quantise_drafter` swaps the fusion and every layer projection for Q4Linear (inference only: an export
+    refuses it); its block states stay close to the float drafter's, and greedy speculation with it is still
+    the target's own plain decoding."""
+    from adaflash.dflash_format import export_dflash
+    from adaflash.drafter import drafter_dtype_of
+    from adaflash.engine import Engine, FixedPolicy, Request
+
+    target = tiny_target(vocab=96, std=0.2)
+    base = tiny_drafter(target).requires_grad_(False)
+    quant = copy.deepcopy(base)
+    quant.attach(target)
+    assert quantise_drafter(quant) == 1 + 7 * len(quant.layers) and weight_format(quant) == "q4"
+    assert drafter_dtype_of(quant) == "q4" and drafter_dtype_of(base) == torch.float32
+    torch.manual_seed(0)
+    feats = torch.randn(1, 5, base.fc.in_features)
+    outs = []
+    for d in (base, quant):
+        cache = d.new_cache(1, 64)
+        d.extend_many([feats[0]], [cache])
+        outs.append(d.draft_many([cache], torch.tensor([7]), 6))  # [1, 6, H]
+    cos = torch.nn.functional.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0)
+    assert float(cos) > 0.98
+    prompts = [[3, 17, 42, 8], [5, 9, 11, 30, 2, 2], [60, 1]]
+    refs = [greedy_reference(target, p, 24, []) for p in prompts]
+    states = Engine(target, quant, FixedPolicy(4), eos_ids=[], max_batch=3).run([Request(f"r{i}", p, 24) for i, p in enumerate(prompts)])
+    assert [s.out for s in states] == refs
+    with pytest.raises(ValueError, match="inference form"):
+        export_dflash(quant, tmp_path / "export", 15)
+
+
+def test_drafter_dtype_names(tiny_hf_dir, tiny_drafter_dir):
+    """q4 loads a drafter with Q4_1 projections (activations bf16 where fast); auto is q4 where `q4_is_fast`;
+    an unknown name is refused, in a serve config too."""
+    from adaflash.server.config import ModelSection
+
+    from adaflash.cost import machine_key
+    from adaflash.drafter import load_drafter, resolve_drafter_dtype
+    from adaflash.quant import q4_is_fast
+
+    t = load_target(str(tiny_hf_dir), "float32")
+    assert resolve_drafter_dtype("q4", t.model) == (resolve_dtype("auto"), "q4")
+    assert resolve_drafter_dtype("auto", t.model)[1] == ("q4" if q4_is_fast() else None)
+    assert resolve_drafter_dtype(None, t.model) == (torch.float32, None)
+    with pytest.raises(ValueError, match="drafter dtype must be one of"):
+        resolve_drafter_dtype("int4", t.model)
+    with pytest.raises(ValueError, match="model.drafter_dtype must be one of"):
+        ModelSection(drafter_dtype="fp16")
+    d = load_drafter(tiny_drafter_dir, t.model, t.identity, "q4")
+    assert weight_format(d) == "q4" and machine_key(t.model, d)["drafter_dtype"] == f"{d.dtype}+q4"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 33])
