@@ -95,6 +95,13 @@ def tau_part(drafter_dir: str, layers: list[int], steps: int, lr: float, per_dom
     return res
 
 
+def write_results(out: Path, res: dict, text: str) -> None:
+    """results.json and report.md (`text`, also printed) into `out`."""
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    (out / "report.md").write_text(text)
+    print(text)
+
+
 def report(res: dict) -> str:
     layers = res["layers"]
     lines = ["| concurrency | requests | tau (all depths) | " + " | ".join(f"{n} layers tok/s" for n in layers)]
@@ -140,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         res["tau"] = tau_part(args.drafter, layers, args.steps, args.lr, args.per_domain, args.out)
     res["wall_s"] = time.perf_counter() - t0
-    (args.out / "results.json").write_text(json.dumps(res, indent=1))
-    text = report(res)
-    (args.out / "report.md").write_text(text)
-    print(text)
+    write_results(args.out, res, report(res))
     return 0
 
 
