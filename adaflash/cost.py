@@ -392,6 +392,9 @@ def machine_key(target, drafter) -> dict:
     from adaflash.quant import weight_format
     from adaflash.target import fingerprint
 
+    def form(dtype: torch.dtype, model) -> str:  # "torch.bfloat16", or "torch.bfloat16+q4" for quantised projections
+        return str(dtype) + ("" if (fmt := weight_format(model)) == "float" else f"+{fmt}")
+
     return {
         "processor": proc,
         "threads": torch.get_num_threads(),
@@ -402,9 +405,9 @@ def machine_key(target, drafter) -> dict:
         "kernels": signature(),  # the C++ kernels' sources and flags: other kernels, other step costs
         "small_rows": [PAD_ROWS, MIN_ROWS],  # oneDNN calls of 1..PAD_ROWS rows padded to MIN_ROWS: they cost what 4 rows do
         "target": fingerprint(target),
-        "target_dtype": str(target.lm_head.weight.dtype) + ("" if (fmt := weight_format(target)) == "float" else f"+{fmt}"),
+        "target_dtype": form(target.lm_head.weight.dtype, target),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",
-        "drafter_dtype": str(drafter.dtype) + ("" if (fmt := weight_format(drafter)) == "float" else f"+{fmt}"),
+        "drafter_dtype": form(drafter.dtype, drafter),
         "draft_vocab": 0 if drafter.vocab is None else int(drafter.vocab.numel()),
     }
 

@@ -245,7 +245,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         write_bench,
     )
 
-    from adaflash.drafter import load_drafter_and_head
+    from adaflash.drafter import load_drafter, load_drafter_and_head
     from adaflash.target import load_target, source_gguf
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -349,7 +349,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         vllm_python(None)  # fails now, with what to run, when `make vllm` was not
         peer_drafter = drafter  # what vLLM loads (an export) and the vllm-cost schedule prices: float projections
         if weight_format(drafter) != "float":
-            peer_drafter = load_drafter_and_head(args.drafter, target, drafter.dtype)[0]
+            peer_drafter = load_drafter(args.drafter, target.model, target.identity, drafter.dtype)  # no length head
         vllm = {
             "target_dir": stock_hf_dir(args.target),
             "drafter": peer_drafter,
