@@ -314,7 +314,13 @@ class Overrun:
     every step drafts, the few plain ones still pin o, so what drafting costs beyond its prediction lands
     in k (which decides whether to draft) rather than in o (which both choices pay). The plain steps'
     evidence also ages by `plain_age` per drafting step, and once it holds less than `plain_min` steps'
-    worth (as before any plain step), o and k are both fitted on the drafting steps.
+    worth, o and k are both fitted on the drafting steps, o never above what the plain steps showed (0
+    before any): o is paid by plain decoding too, so drafting steps may lower it but not raise it. Fitted
+    freely there, an engine's first steps (every request drafting, no plain step yet) set o to what
+    drafting overran by: at GSM8K c=32 the first wave's all-drafting steps took 120-260 ms where a plain
+    step takes 60, o rose to 71-86 ms, plain decoding looked as dear as drafting, and all 32 requests
+    drafted for 8 more steps (2-3% of the cell's time); charged to k, that overrun makes drafting dearer
+    and the next plan decodes plainly, whose steps then measure o.
     Before, one plain step pinned o for as long as no other came: under another process's load, a first
     step that overran by 355 ms set o there, every step then looked cheap to draft beside it, so every
     step drafted and no plain step came to correct it (MT-Bench c=8: 88% of rounds drafted at ~0.88x
@@ -345,14 +351,12 @@ class Overrun:
             self.drafted = [f * s + v for s, v in zip(self.drafted, x)]
             self.plain = [self.plain_age * self.plain[0], self.plain_age * self.plain[1]]
         (n_p, w_p), (n_d, e, e2, w_d, ew) = self.plain, self.drafted
-        if n_p >= self.plain_min:  # o is what plain steps overran by; k fits the drafting steps' rest
-            o = w_p / n_p
-            self.theta = (o, (ew - o * e + self.p0[1]) / (e2 + self.p0[1]))  # the prior's k = 1
-            return
-        a11, a12, a22 = n_d + self.p0[0], e, e2 + self.p0[1]  # no plain step lately: both from the drafting steps
-        b1, b2 = w_d, ew + self.p0[1]
-        det = a11 * a22 - a12 * a12
-        self.theta = ((a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det)
+        o = w_p / n_p if n_p > 0 else 0.0  # what plain steps overran by (none seen: 0)
+        if n_p < self.plain_min:  # no plain step lately: both from the drafting steps, o never above the plain steps'
+            a11, a12, a22 = n_d + self.p0[0], e, e2 + self.p0[1]
+            b1, b2 = w_d, ew + self.p0[1]
+            o = min(o, (a22 * b1 - a12 * b2) / (a11 * a22 - a12 * a12))
+        self.theta = (o, (ew - o * e + self.p0[1]) / (e2 + self.p0[1]))  # k fits the drafting steps' rest (prior k = 1)
 
     @property
     def o(self) -> float:
