@@ -692,18 +692,21 @@ def test_overrun_learns_what_drafting_really_costs():
     assert trap.o < 0.02 and 1.2 < trap.k < 1.6
 
 
-def test_steps_that_prefill_a_prompt_leave_the_overrun_alone():
+def test_steps_that_prefill_a_prompt_leave_the_overrun_and_the_verify_model_alone():
     """A step that prefilled a prompt overran its model by a second (a first step's one-off work): the plans sink
-    a prompt's cost, so that step must not set o; the decoding step after it does."""
+    a prompt's cost, so that step must not set o; nor refit the verify model, whose rows are decoding's (a
+    prompt's skip the LM head: refitted on them, decoding's rows looked cheaper than they are). The decoding
+    step after it does both."""
     policy = CostPolicy(linear_cost(), 16)
+    theta = list(policy.cost.target.theta)
     policy.prompts(1, 200)
     policy.observe_timing((2, 201, 0.5, 0.0), None)
     policy.observe_step(0.5 + 1.0)
-    assert policy.overrun.plain == [0.0, 0.0] and policy.overrun.o == 0.0
+    assert policy.overrun.plain == [0.0, 0.0] and policy.overrun.o == 0.0 and policy.cost.target.theta == theta
     model = policy.cost.verify(2, 2, 0.0)  # what the model said before this step refits it
     policy.observe_timing((2, 2, 0.05, 0.0), None)
     policy.observe_step(model + 0.004)
-    assert policy.overrun.o == pytest.approx(0.004, rel=1e-6)
+    assert policy.overrun.o == pytest.approx(0.004, rel=1e-6) and policy.cost.target.theta != theta
 
 
 # ----------------------------------------------------------------------------- offline evaluation
