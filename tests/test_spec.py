@@ -236,3 +236,21 @@ def test_probs_at_a_vanishing_temperature_is_the_one_hot_limit():
         p = probs(logits, t)
         assert not p.isnan().any() and torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 3).float())
     torch.testing.assert_close(probs(logits, 0.7), torch.softmax(logits / 0.7, -1))
+
+
+def test_greedy_acceptance_on_lists_matches_the_tensor_rule():
+    """`accept_greedy_tokens` (the engine's per-request rule over one batched argmax) against `verify_greedy`
+    on random drafts and logits, matches and mismatches at every position."""
+    from adaflash.spec import accept_greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(0, 6, (1,), generator=g))
+        logits = torch.randn(1, k + 1, V, generator=g)
+        best = logits.argmax(-1)[0]  # [k + 1]
+        draft = best[:k].clone()
+        if k and bool(torch.rand(1, generator=g) < 0.7):  # a mismatch somewhere
+            j = int(torch.randint(0, k, (1,), generator=g))
+            draft[j] = (draft[j] + 1) % V
+        n, bonus = verify_greedy(draft[None], logits)
+        assert accept_greedy_tokens(draft.tolist(), best.tolist()) == (int(n[0]), int(bonus[0]))
