@@ -684,7 +684,7 @@ class CostPolicy(VerifyPolicy):
         c=32: the row coefficient fell 14% over one wave's prefill steps, from the calibration's 0.92 ms a
         row where 32 requests' rows cost 1.0-1.2 ms)."""
         r, n, _, qk = verify
-        plain = self.cost.verify(r, n, qk)  # the verification as run: its own model is refitted on every step
+        plain = self.cost.verify(r, n, qk)  # the verification as run: its own model is refitted on every decoding step
         excess = self.cost.draft(draft[0], draft[1], draft[3]) if draft else 0.0
         self._excess = (plain, excess)
         if not self._prompts[0]:
