@@ -59,7 +59,7 @@ from adaflash.buffer import Round, Trajectory
 from adaflash.cost import attention_pairs
 from adaflash.drafter import Drafter
 from adaflash.kvcache import KVCache, KVPool
-from adaflash.spec import accept_greedy_tokens, build_tree, graft, greedy, lookup_chain, noise, pick, propose, tree_mask, verify, walk_tree
+from adaflash.spec import build_tree, graft, greedy, lookup_chain, noise, pick, propose, tree_mask, verify, walk_tree
 from adaflash.target import TargetModel
 
 ENTROPY = random.Random()  # unseeded sampled requests' generator seeds (tests seed it for repeatable statistics)
@@ -550,8 +550,7 @@ class Engine:
         logits, feats = logits[len(fresh) :], feats[len(fresh) :]
         self.stats["verify_tokens"] += tokens
         self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], tokens)
-        best = self._greedy_rows(plans, logits)
-        new_feats = [self._verify(p, lg, ft, b) for p, lg, ft, b in zip(plans, logits, feats, best)]
+        new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
         if plans:
             self.ema_verify_all += self.ema_alpha * (tokens / len(plans) - self.ema_verify_all)
         if self.keep_context:  # the drafter reads them when this request drafts next (_draft)
@@ -674,25 +673,9 @@ class Engine:
             elif p.kind == "plain":
                 p.verify_len = 1
 
-    @staticmethod
-    def _greedy_rows(plans: list[_Plan], logits: list[torch.Tensor]) -> list[list[int] | None]:
-        """Per round, the target's greedy tokens [verify_len] where the round is a greedy chain (None
-        elsewhere: trees and sampled requests take theirs in `_verify`), from one argmax over all those
-        rounds' logits (`spec.accept_greedy_tokens`)."""
-        idx = [i for i, p in enumerate(plans) if p.mask is None and p.st.req.temperature <= 0]
-        out: list[list[int] | None] = [None] * len(plans)
-        if idx:
-            best = greedy(torch.cat([logits[i] for i in idx])).tolist()  # [sum of their verify_len]
-            start = 0
-            for i in idx:
-                n = logits[i].shape[0]  # verify_len
-                out[i], start = best[start : start + n], start + n
-        return out
-
-    def _verify(self, p: _Plan, logits: torch.Tensor, feats: torch.Tensor, best: list[int] | None = None) -> torch.Tensor:
-        """Accept (logits [verify_len, V] over [anchor, drafts or nodes]; `best` [verify_len]: a greedy chain's
-        argmax of them, `_greedy_rows`), keep only the committed inputs' K/V in the target cache, record the
-        round and commit; -> those inputs' features [1 + n, n*H]."""
+    def _verify(self, p: _Plan, logits: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Accept (logits [verify_len, V] over [anchor, drafts or nodes]), keep only the committed inputs'
+        K/V in the target cache, record the round and commit; -> those inputs' features [1 + n, n*H]."""
         st = p.st
         if p.mask is not None:
             best = greedy(logits)  # [N+1] the target's greedy token after the anchor and each node (the record)
@@ -711,13 +694,10 @@ class Engine:
             target = [best[i] for i in keep[: len(walked)]]  # the target's token after each one's parent
         else:
             k = p.verify_len - 1
-            draft = p.draft.tolist()
-            if best is not None:
-                (n, nxt), target = accept_greedy_tokens(draft, best), best[:-1]
-            else:
-                n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen, self._noise(st, p.verify_len))
+            n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen, self._noise(st, p.verify_len))
             st.tcache.crop(st.tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
             keep = list(range(1 + n))
+            draft = p.draft.tolist()
         n = len(keep) - 1
         before = len(st.out)
         st.rounds.append(
