@@ -71,8 +71,9 @@ class VLLMServer(ChildServer):
         schedule: list[tuple[int, int, int]] | None = None,
         schedule_file: Path | None = None,
     ):
-        if schedule:  # drafts per step by batch size (the cost policy's start-up choice); its longest K caps the step
-            num_spec = schedule_drafts(schedule)
+        if schedule and num_spec != schedule_drafts(schedule):  # its longest K caps the step: vLLM sizes its drafting by it
+            raise ValueError(f"num_spec {num_spec} must be the schedule's longest draft length, {schedule_drafts(schedule)}")
+        self.num_spec = num_spec
         cmd = [
             str(python),
             "-m",
@@ -143,7 +144,6 @@ class VLLMEngine(StockEngine):
         server: VLLMServer,
         drafter,
         version: str,
-        num_spec: int,
         max_batch: int,
         token_budget: int,
         max_model_len: int,
@@ -152,9 +152,8 @@ class VLLMEngine(StockEngine):
         schedule: list[tuple[int, int, int]] | None = None,
         follower: ScheduleFollower | None = None,
     ):
+        num_spec = server.num_spec  # drafts per step (with a schedule, its longest)
         policy = "vllm-cost" if schedule else f"vllm-dflash{num_spec + 1}" if drafter is not None else "vllm-ar"
-        if schedule:
-            num_spec = schedule_drafts(schedule)
         k_blk = num_spec + 1 if drafter is not None else 1
         super().__init__(server, drafter, version, policy, k_blk, max_batch, token_budget, max_model_len)
         self.work_dir, self.mask_token_id = Path(work_dir), mask_token_id
@@ -361,6 +360,7 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
             load_or_calibrate(target.model, drafter), stock_profile(drafter, m.drafter), e.max_batch, work / "schedule.json", v.follow_every
         )
         schedule = follower.schedule
+        num_spec = schedule_drafts(schedule)  # drafts per step by batch size (the cost policy's start-up choice)
         again = f", re-chosen every {v.follow_every} finished requests" if v.follow_every else ""
         log.info("vLLM drafts per step by batch size (B_lo, B_hi, drafts): %s%s", schedule, again)
         if v.follow_every:
@@ -394,6 +394,4 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
         follower.path if follower is not None else None,
     )
     server.start(v.startup_timeout_s)
-    return VLLMEngine(
-        server, drafter, m.drafter_version, num_spec, e.max_batch, e.token_budget, max_len, work, v.mask_token_id, schedule, follower
-    )
+    return VLLMEngine(server, drafter, m.drafter_version, e.max_batch, e.token_budget, max_len, work, v.mask_token_id, schedule, follower)

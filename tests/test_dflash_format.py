@@ -130,7 +130,7 @@ def test_a_draft_length_schedule_reaches_vllms_command_line(tmp_path):
 
     sched = [(1, 1, 4), (2, 4, 2), (5, 16, 0)]
     server = VLLMServer(
-        tmp_path / "python", tmp_path / "target", tmp_path / "drafter", 15, 1234, 2048, 16, 64, "float32", tmp_path / "log",
+        tmp_path / "python", tmp_path / "target", tmp_path / "drafter", 4, 1234, 2048, 16, 64, "float32", tmp_path / "log",
         schedule=sched,
     )  # fmt: skip
     cmd = server.cmd
@@ -140,11 +140,16 @@ def test_a_draft_length_schedule_reaches_vllms_command_line(tmp_path):
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == str(16 * 5)  # 16 sequences x (4 drafts + anchor) > 64
     assert "--scheduler-cls" not in cmd and "ADAFLASH_VLLM_SCHEDULE" not in server.env  # no file: the schedule stays
     follow = VLLMServer(
-        tmp_path / "python", tmp_path / "target", tmp_path / "drafter", 15, 1234, 2048, 16, 64, "float32", tmp_path / "log",
+        tmp_path / "python", tmp_path / "target", tmp_path / "drafter", 4, 1234, 2048, 16, 64, "float32", tmp_path / "log",
         schedule=sched, schedule_file=tmp_path / "schedule.json",
     )  # fmt: skip
     assert follow.cmd[follow.cmd.index("--scheduler-cls") + 1] == "adaflash_schedule.FollowSchedule"
     assert follow.env["ADAFLASH_VLLM_SCHEDULE"] == str(tmp_path / "schedule.json")
+    with pytest.raises(ValueError, match="longest draft length, 4"):  # the step's size must be the schedule's
+        VLLMServer(
+            tmp_path / "python", tmp_path / "target", tmp_path / "drafter", 15, 1234, 2048, 16, 64, "float32", tmp_path / "log",
+            schedule=sched,
+        )  # fmt: skip
     assert dflash_spec("d", schedule=[(1, 64, 0)])["num_speculative_tokens"] == 1  # vLLM wants >= 1
     with pytest.raises(ValueError, match="from 1"):
         dflash_spec("d", schedule=[(2, 8, 3)])
@@ -187,10 +192,13 @@ def test_a_hot_swap_into_vllm_puts_the_priors_schedule_back(tmp_path):
     target = tiny_target()
     drafter = tiny_drafter(target)
     calls = []
-    server = SimpleNamespace(name="vLLM", rpc=lambda *a: calls.append(a) or ["ok"], reset_prefix_cache=lambda: calls.append("reset"))
     follower = ScheduleFollower(linear_cost(), [0.5] * (drafter.block_size - 1), 8, tmp_path / "schedule.json", every=1)
     start = follower.schedule
-    engine = VLLMEngine(server, drafter, "1", 5, 8, 64, 512, tmp_path, 15, start, follower)
+    server = SimpleNamespace(
+        name="vLLM", num_spec=follower.k_max, rpc=lambda *a: calls.append(a) or ["ok"], reset_prefix_cache=lambda: calls.append("reset")
+    )
+    engine = VLLMEngine(server, drafter, "1", 8, 64, 512, tmp_path, 15, start, follower)
+    assert engine.policy.name == "vllm-cost" and engine.k_blk == follower.k_max + 1
     spec = {"per_step_drafted": [follower.k_max] * 20, "per_step_accepted": [0] * 20}
     for i in range(8):  # traffic that accepts nothing: fewer drafts
         engine._follow(follower.observe(spec, 20, 16, running=1 + i))

@@ -312,7 +312,7 @@ def test_a_running_vllm_takes_up_each_new_schedule_between_steps(target, gsm8k, 
     export_dflash(drafter, tmp_path / "dflash", 15, torch.float32)
     path = tmp_path / "schedule.json"
     server = VLLMServer(
-        VLLM_PY, stock_hf_dir("smollm2"), tmp_path / "dflash", 15, free_port(), 2048, 4, 256, "float32", tmp_path / "vllm.log",
+        VLLM_PY, stock_hf_dir("smollm2"), tmp_path / "dflash", 3, free_port(), 2048, 4, 256, "float32", tmp_path / "vllm.log",
         kv_cache_gb=1, threads=2, schedule=[(1, 4, 3)], schedule_file=path,
     )  # fmt: skip
     server.start(900)
