@@ -436,6 +436,7 @@ def load_or_calibrate(target, drafter, cache_dir: Path | None = None, refresh: b
             return cost
         except (ValueError, KeyError, TypeError):
             pass  # unreadable: measure again
+    log.info("measuring the step costs of this machine and models for the cost policy (about a minute, once: kept in %s)", path)
     t0 = time.perf_counter()
     cost = calibrate(target, drafter)
     log.info(  # a server's first start on a machine takes this long more (58 s for SmolLM2 on two threads)
