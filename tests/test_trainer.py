@@ -491,6 +491,33 @@ def test_head_only_rounds_leave_the_drafter_as_served_and_fit_the_head(tmp_path,
     assert len(steps) == cfg.train.steps_per_update and not {"hard", "rkl", "fkl"} & set(steps[0])
 
 
+def test_a_trainer_stopped_mid_round_marks_its_run_killed_at_once(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir):
+    """Ctrl-C (or `adaflash up` stopping) while a round trains: its MLflow run ends KILLED right away, not RUNNING until
+    the next start; nothing is registered or committed, and the next start trains the same shards in a new run."""
+    from adaflash.registry import Registry
+    from mlflow import MlflowClient
+
+    cfg = load_config(trainer_config(tmp_path, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir, "stopped"), OnlineConfig)
+    trainer = OnlineTrainer(cfg, log=lambda _: None)
+    runs = []
+
+    def interrupted(data, run_id):
+        runs.append(run_id)
+        raise KeyboardInterrupt
+
+    trainer._train = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(1)
+    run = MlflowClient(mlflow_server).get_run(runs[0])
+    assert run.info.status == "KILLED" and "stopped mid-round" in run.data.tags["note"]
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["inflight_run"] is None
+    assert not (tmp_path / "buffer" / "_ledger.jsonl").exists() and Registry(mlflow_server, "stopped").versions() == []
+    lines = []
+    assert OnlineTrainer(cfg, log=lines.append).run(1) == 1
+    assert not any("recovering" in x for x in lines) and any("round 1:" in x for x in lines)
+    assert [r["shard"] for r in ledger(tmp_path / "buffer")] == served["shards"][:1]
+
+
 def test_killed_trainers_resume_and_train_each_shard_exactly_once(
     tmp_path, monkeypatch, served, mlflow_server, tiny_hf_dir, tiny_drafter_dir
 ):

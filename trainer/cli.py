@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     if args.tracking_uri:
         cfg.mlflow.tracking_uri = args.tracking_uri
     trainer = OnlineTrainer(cfg, log=lambda line: print(line, flush=True))
-    done = trainer.run()
+    try:
+        done = trainer.run()
+    except KeyboardInterrupt:
+        print("[train] stopped; a round in training was not registered, its shards are retrained at the next start", flush=True)
+        return 130
     print(f"[train] {done} update round(s) done; state in {cfg.checkpoint.dir}/state.json", flush=True)
     return 0

@@ -265,11 +265,15 @@ class OnlineTrainer:
             self.reader.commit(pending["shards"], tag=pending["round"])
             self._publish()
         elif self.state["inflight_run"]:
-            run = self.state["inflight_run"]
-            self.client.set_tag(run, "note", "trainer killed mid-round; the round is retrained in a new run")
-            self.client.set_terminated(run, "KILLED")
-            self.state["inflight_run"] = None
-            self._save_state()
+            self._kill_inflight("trainer killed mid-round; the round is retrained in a new run")
+
+    def _kill_inflight(self, note: str) -> None:
+        """Mark the MLflow run of the round in training KILLED (its shards stay uncommitted: retrained later)."""
+        run = self.state["inflight_run"]
+        self.client.set_tag(run, "note", note)
+        self.client.set_terminated(run, "KILLED")
+        self.state["inflight_run"] = None
+        self._save_state()
 
     def _retain(self) -> None:
         """Apply `retention` to the consumed shards of the rounds up to the last committed one (rank 0)."""
@@ -306,14 +310,22 @@ class OnlineTrainer:
         """Update rounds until `max_rounds` (config's when None; 0 = forever). -> rounds done."""
         max_rounds = self.cfg.max_rounds if max_rounds is None else max_rounds
         done = 0
-        while max_rounds == 0 or done < max_rounds:
-            names = from_rank0(self._take_round() if self.rank == 0 else None)
-            if names is None:
-                time.sleep(self.cfg.buffer.poll_interval_s)
-                continue
-            self._follow_champion()
-            self.update_round(names)
-            done += 1
+        try:
+            while max_rounds == 0 or done < max_rounds:
+                names = from_rank0(self._take_round() if self.rank == 0 else None)
+                if names is None:
+                    time.sleep(self.cfg.buffer.poll_interval_s)
+                    continue
+                self._follow_champion()
+                self.update_round(names)
+                done += 1
+        except KeyboardInterrupt:  # Ctrl-C, or `adaflash up` stopping: the round in training ends KILLED in MLflow
+            if self.rank == 0 and self.state["inflight_run"] and self.state["pending"] is None:  # now, not at the next start
+                try:
+                    self._kill_inflight("trainer stopped mid-round; the round is retrained at the next start")
+                except Exception as e:  # MLflow gone first: the next start marks it (`_recover`)
+                    self.log(f"[train] could not mark the round's MLflow run killed ({type(e).__name__}); the next start will")
+            raise
         return done
 
     def _follow_champion(self) -> None:
