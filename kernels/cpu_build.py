@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from platformdirs import user_cache_dir
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]  # -fopenmp: at::parallel_for runs threads
 _lock = threading.Lock()
 _built: dict[str, object] = {}
+log = logging.getLogger("adaflash.kernels")
 
 
 def _build_dir(name: str, source: Path) -> Path:
@@ -67,6 +70,10 @@ def build(name: str, source: Path, fallback: str):
                 from torch.utils.cpp_extension import load as cpp_load
 
                 root = _build_dir(name, source)
+                fresh = not (root / f"adaflash_{name}.so").exists()  # a first start on this machine (or new sources) waits for g++
+                if fresh:
+                    log.info("compiling the C++ CPU kernel %s with g++ (once per machine and source: kept in %s)", name, root)
+                t0 = time.perf_counter()
                 with open(root / ".build.lock", "w") as held:
                     fcntl.flock(held, fcntl.LOCK_EX)  # one build per directory across processes; dropped if we die
                     (root / "lock").unlink(missing_ok=True)  # torch's baton, stale: its builder is gone
@@ -78,6 +85,8 @@ def build(name: str, source: Path, fallback: str):
                         build_directory=str(root),
                         verbose=False,
                     )
+                if fresh:
+                    log.info("compiled %s in %.0f s", name, time.perf_counter() - t0)
             except Exception as e:  # no compiler, no ninja, a failed build
                 warnings.warn(
                     f"CPU kernel {name} not built ({type(e).__name__}: {str(e)[:300]}); {fallback} "
