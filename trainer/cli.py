@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         done = trainer.run()
     except KeyboardInterrupt:
-        print("[train] stopped; a round in training was not registered, its shards are retrained at the next start", flush=True)
+        print("[train] stopped; a round still in training (if any) is not registered: the next start trains its shards", flush=True)
         return 130
     print(f"[train] {done} update round(s) done; state in {cfg.checkpoint.dir}/state.json", flush=True)
     return 0
