@@ -125,9 +125,9 @@ def accept_greedy(draft: torch.Tensor, target_tokens: torch.Tensor) -> tuple[tor
 
 
 def accept_greedy_tokens(draft: list[int], best: list[int]) -> tuple[int, int]:
-    """`accept_greedy` for one request on lists: draft [k], best [k+1] the target's greedy token after the
-    anchor and each draft -> (accepted drafts, next token). A greedy round (`verify`) takes this on its
-    argmax's list: the five small tensor ops of `accept_greedy` and their conversions cost ~0.1 ms a round
+    """`accept_greedy` for one request on lists: draft [k], best [k+1] the target's token (greedy, or its
+    seeded sample) after the anchor and each draft -> (accepted drafts, next token). A greedy or seeded round (`verify`) takes this on its
+    chosen tokens' list: the five small tensor ops of `accept_greedy` and their conversions cost ~0.1 ms a round
     on a CPU (SmolLM2 q4, 32 requests on the 2-core EPYC: `Engine._verify` 3.7 ms a step)."""
     n = 0
     while n < len(draft) and draft[n] == best[n]:
@@ -197,13 +197,10 @@ def verify(
     (accepted drafts, next token, the target's greedy token after each of the first k inputs: what the
     round record keeps, from the same argmax that greedy verification takes; one argmax over 49,152
     logits per row is not free on a CPU)."""
-    if temperature <= 0:
+    if temperature <= 0 or e is not None:  # greedy, or seeded: the target's own tokens, accepted on lists
         best = greedy(target_logits).tolist()  # [k+1]
-        return (*accept_greedy_tokens(draft.tolist(), best), best[:-1])
-    if e is not None:  # seeded: the target's own tokens
-        best = greedy(target_logits)  # [k+1]
-        n, nxt = accept_greedy(draft[None], pick(target_logits, temperature, None, e)[None])
-        return int(n[0]), int(nxt[0]), best[:-1].tolist()
+        chosen = best if temperature <= 0 else pick(target_logits, temperature, None, e).tolist()  # [k+1]
+        return (*accept_greedy_tokens(draft.tolist(), chosen), best[:-1])
     target = greedy(target_logits[:-1]).tolist()
     if draft.numel() == 0:  # nothing drafted: a plain sampled step
         return 0, int(pick(target_logits[-1], temperature, generator)), target
