@@ -608,6 +608,7 @@ class CostPolicy(VerifyPolicy):
         8, .. 64 refusals in a row one token of it is verified anyway (a probe, so the model keeps labels)."""
         ids = [s.req.request_id for s in states]
         self._chained = ids
+        self.running_chain.tick()  # as `select` ticks `running`: the old traffic's chain labels lose weight while none come
         n_pos = max(chains)
         xp = prior_features(self.running_chain.rate(ids), n_pos)  # [R, J, 3]
         cum = self.chain.predict(xp).cumprod(-1) * (np.arange(n_pos)[None] < np.array(chains)[:, None])  # [R, J]

@@ -857,6 +857,23 @@ def test_the_traffics_running_acceptance_follows_new_traffic_that_seldom_drafts(
     assert run.g_seen == pytest.approx(2.0) and run.g_acc > 0  # never below 2 observations' worth
 
 
+def test_the_traffics_running_chain_acceptance_loses_weight_in_steps_without_chain_labels():
+    """The same for prompt-lookup chains: `lookup_lengths` runs once a step with chains and ticks the chain
+    counts, so after a traffic whose chains were accepted, steps whose chains are all refused (no labels)
+    leave the old rate's weight at 2 observations, and the new traffic's first rejected chain moves it."""
+    policy = CostPolicy(linear_cost(), 16)
+    for _ in range(50):  # old traffic: 4 chain tokens verified a step, 3 accepted
+        policy.running_chain.update(["a"], [3.0], [4.0])
+    assert policy.running_chain.g_seen == policy.running_chain.g_max
+    st = [RequestState(Request(f"r{i}", [1, 2, 3], 64), DrafterSlot(None), None, None, torch.Generator()) for i in range(4)]
+    for _ in range(40):  # chains offered, nothing verified comes back labelled
+        policy.lookup_lengths(st, [4] * 4)
+    assert policy.running_chain.g_seen < 4.0 and policy.running_chain.rate(["new"])[0] == pytest.approx(0.75, abs=0.01)
+    policy.running_chain.update(["b"], [0.0], [1.0])  # one chain of the new traffic, rejected at once
+    policy.lookup_lengths(st, [4] * 4)
+    assert policy.running_chain.rate(["new"])[0] < 0.5  # ~0.74 where the old counts kept their weight
+
+
 def test_a_prompt_prefilled_in_the_step_does_not_make_drafts_look_cheap():
     """31 requests decode beside a 300-token prompt on a machine where a verified draft costs what it costs
     whatever the step holds (t_T = 60 ms + 10 ms a request + 5 ms a token): drafts accepted at 0.4 bring
