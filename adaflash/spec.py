@@ -126,9 +126,10 @@ def accept_greedy(draft: torch.Tensor, target_tokens: torch.Tensor) -> tuple[tor
 
 def accept_greedy_tokens(draft: list[int], best: list[int]) -> tuple[int, int]:
     """`accept_greedy` for one request on lists: draft [k], best [k+1] the target's token (greedy, or its
-    seeded sample) after the anchor and each draft -> (accepted drafts, next token). A greedy or seeded round (`verify`) takes this on its
-    chosen tokens' list: the five small tensor ops of `accept_greedy` and their conversions cost ~0.1 ms a round
-    on a CPU (SmolLM2 q4, 32 requests on the 2-core EPYC: `Engine._verify` 3.7 ms a step)."""
+    seeded sample) after the anchor and each draft -> (accepted drafts, next token). A greedy or seeded round
+    (`verify`) takes this on its chosen tokens' list: the five small tensor ops of `accept_greedy` and their
+    conversions cost ~0.1 ms a round on a CPU (SmolLM2 q4, 32 requests on the 2-core EPYC: `Engine._verify`
+    3.7 ms a step)."""
     n = 0
     while n < len(draft) and draft[n] == best[n]:
         n += 1
