@@ -30,8 +30,10 @@ since it last drafted (`Engine._extend_context`), so one that skipped many steps
 
 `calibrate` times a small grid of both passes (a few seconds) on dummy caches. `load_or_calibrate`
 keeps that under the user cache (`cache_root()/cost/`), keyed by CPU/GPU model, torch threads, the
-target's fingerprint and both dtypes, so a restart on the same machine measures nothing (a calibration
-that does not fit the linear model, disturbed by other processes, is used but not kept). Live steps
+target's fingerprint and both dtypes, so a restart on the same machine measures little: three of the
+points timed again (`drift`, about a second), and the whole grid only where one is more than 30% off (a
+calibration another machine of the same processor model wrote; one that does not fit the linear model,
+disturbed by other processes, is used but not kept). Live steps
 then refit the coefficients (`Linear.observe`: least squares with exponential forgetting, pulled
 toward the calibration so directions live traffic never varies, e.g. R at a steady concurrency, keep
 their measured values instead of drifting), so the model follows a machine whose load changes.
@@ -324,28 +326,38 @@ def time_rows(target, reps: int = 3, grid: tuple[int, ...] = ROWS_GRID, context:
 
 
 @torch.no_grad()
-def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) -> StepCost:
-    """Time verification over TARGET_GRID after a `context`-token prompt per request and over LONG_GRID after
-    LONG_CONTEXT tokens, and drafting over DRAFTER_GRID / EXTEND_GRID, on dummy requests (one packed prefill,
-    then every point verifies or extends and rolls back), the fastest of `reps` sweeps over the whole grid
-    per point (a burst of other work then slows one sweep, not every repetition of one point), and the row
-    staircase of whole forwards (`time_rows`). Each drafting point is timed right after a target forward,
-    as drafting runs in a step: timed back to back, the drafter's weights stayed in the caches (22 MB in
-    bfloat16, 6 in q4, beside a 32 MB L3) and a q4 drafter's pass for one to eight requests came out
-    20-33% cheaper than after the forward that streams the target's weights (AMD EPYC, session 46), so
-    probes and drafting looked cheaper than they are. 58 s for SmolLM2 on two threads of the 2-core
-    AVX-512 EPYC (session 41; 31 s before the long-context points)."""
+def measure(
+    target,
+    drafter,
+    target_grid=TARGET_GRID,
+    long_grid=LONG_GRID,
+    drafter_grid=DRAFTER_GRID,
+    extend_grid=EXTEND_GRID,
+    context: int = 32,
+    reps: int = 3,
+    seed: int = 0,
+) -> tuple[list[tuple], list[tuple]]:
+    """Time verification over `target_grid` after a `context`-token prompt per request and over `long_grid`
+    after LONG_CONTEXT tokens, and drafting over `drafter_grid` / `extend_grid`, on dummy requests (one packed
+    prefill, then every point verifies or extends and rolls back), the fastest of `reps` sweeps over the whole
+    grid per point (a burst of other work then slows one sweep, not every repetition of one point). Each
+    drafting point is timed right after a target forward, as drafting runs in a step: timed back to back, the
+    drafter's weights stayed in the caches (22 MB in bfloat16, 6 in q4, beside a 32 MB L3) and a q4 drafter's
+    pass for one to eight requests came out 20-33% cheaper than after the forward that streams the target's
+    weights (AMD EPYC, session 46), so probes and drafting looked cheaper than they are. -> (target points
+    (R, N, QK, seconds), drafter points (Rd, Ld, Cx, seconds)), as StepCost takes them."""
     g = torch.Generator().manual_seed(seed)
     dev = target.lm_head.weight.device
-    n_req = max(r for r, _ in TARGET_GRID + DRAFTER_GRID)
-    k_max = max(n for _, n in TARGET_GRID + LONG_GRID)
-    x_max = max(x for *_, x in EXTEND_GRID)
+    n_req = max(r for r, *_ in target_grid + drafter_grid + extend_grid)
+    k_max = max(n for _, n in target_grid + long_grid)
+    x_max = max([x for *_, x in extend_grid], default=0)
     vocab = target.config.vocab_size
     caches = [target.new_cache(1, context + k_max + 1) for _ in range(n_req)]
     prompts = [torch.randint(0, vocab, (context,), generator=g).to(dev) for _ in range(n_req)]
     _, feats = target.forward_packed(prompts, caches, logits_last_only=True)  # feats: per request [context, n*H]
-    long = [target.new_cache(1, LONG_CONTEXT + k_max + 1) for _ in range(max(r for r, _ in LONG_GRID))]
-    target.forward_packed([torch.randint(0, vocab, (LONG_CONTEXT,), generator=g).to(dev) for _ in long], long, logits_last_only=True)
+    long = [target.new_cache(1, LONG_CONTEXT + k_max + 1) for _ in range(max([r for r, _ in long_grid], default=0))]
+    if long:
+        target.forward_packed([torch.randint(0, vocab, (LONG_CONTEXT,), generator=g).to(dev) for _ in long], long, logits_last_only=True)
     dcaches = [drafter.new_cache(1, context + x_max + 1) for _ in range(n_req)]
     drafter.extend_many(feats, dcaches)
     extra = [f[:x_max] for f in feats]  # [x_max, n*H] each: features to extend with
@@ -364,10 +376,11 @@ def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) 
             c.crop(c.length - x)
 
     verify(1, 1, caches)  # warm-up: first calls allocate
-    verify(1, 1, long)
+    if long:
+        verify(1, 1, long)
     draft(1, 2)
-    points = [(r, n, context, caches) for r, n in TARGET_GRID] + [(r, n, LONG_CONTEXT, long) for r, n in LONG_GRID]
-    blocks = [(r, min(ld, drafter.block_size), x) for r, ld, x in [(r, ld, 0) for r, ld in DRAFTER_GRID] + list(EXTEND_GRID)]
+    points = [(r, n, context, caches) for r, n in target_grid] + [(r, n, LONG_CONTEXT, long) for r, n in long_grid]
+    blocks = [(r, min(ld, drafter.block_size), x) for r, ld, x in [(r, ld, 0) for r, ld in drafter_grid] + list(extend_grid)]
     tbest, dbest = [float("inf")] * len(points), [float("inf")] * len(blocks)
 
     def draft_after_forward(r: int, ld: int, x: int) -> float:
@@ -377,12 +390,40 @@ def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) 
     for _ in range(reps):
         tbest = [min(b, _seconds(lambda: verify(r, n, pool))) for b, (r, n, _, pool) in zip(tbest, points)]
         dbest = [min(b, draft_after_forward(r, ld, x)) for b, (r, ld, x) in zip(dbest, blocks)]
-    rows = time_rows(target, reps)
-    return StepCost(
+    return (
         [(r, r * n, attention_pairs([n] * r, [c] * r), t) for (r, n, c, _), t in zip(points, tbest)],
         [(r, ld, r * x, t) for (r, ld, x), t in zip(blocks, dbest)],
-        rows=rows,
     )
+
+
+def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) -> StepCost:
+    """The step costs of these models on this machine: `measure` over the whole grids and the row staircase
+    of whole forwards (`time_rows`). 58 s for SmolLM2 on two threads of the 2-core AVX-512 EPYC (session 41;
+    31 s before the long-context points)."""
+    target_points, drafter_points = measure(target, drafter, context=context, reps=reps, seed=seed)
+    return StepCost(target_points, drafter_points, rows=time_rows(target, reps))
+
+
+# a few points timed again when a cached calibration is loaded (`drift`): 8 requests verifying one token each
+# and 8 each (past the knee), and drafting 8 requests (what a probe step or a small batch's drafting costs)
+SPOT_TARGET, SPOT_DRAFTER = ((8, 1), (8, 8)), ((8, 2),)
+SPOT_TOLERANCE = 0.3  # a cached point off by more than this share: the calibration is measured again
+SPOT_FLOOR = 2e-3  # seconds: cached points shorter than this are not compared (timer noise on small models)
+_CHECKED: set[Path] = set()  # cached calibrations this process has checked (a bench builds an engine a cell)
+
+
+def drift(target, drafter, cost: StepCost) -> float | None:
+    """How far a cached calibration is from this machine now: the largest |fresh / cached - 1| over the
+    SPOT_* points (timed as `measure` does, ~1 s for SmolLM2), those cached at SPOT_FLOOR seconds or more;
+    None where none is. The cache is keyed by processor model, and two VMs of one kind differed by 35-55% in
+    the drafter's pass and in where the row staircase rose (AMD EPYC, session 49): a calibration measured on
+    the other priced drafting too dear, and live refits correct the drafter's coefficients only where
+    something drafts."""
+    target_points, drafter_points = measure(target, drafter, SPOT_TARGET, (), SPOT_DRAFTER, (), reps=3)
+    cached = {("t",) + tuple(p[:3]): p[3] for p in cost.points["target"]} | {("d",) + tuple(p[:3]): p[3] for p in cost.points["drafter"]}
+    fresh = {("t",) + tuple(p[:3]): p[3] for p in target_points} | {("d",) + tuple(p[:3]): p[3] for p in drafter_points}
+    off = [abs(t / cached[k] - 1.0) for k, t in fresh.items() if cached.get(k, 0.0) >= SPOT_FLOOR]
+    return max(off) if off else None
 
 
 def machine_key(target, drafter) -> dict:
@@ -423,7 +464,8 @@ def machine_key(target, drafter) -> dict:
 
 
 def load_or_calibrate(target, drafter, cache_dir: Path | None = None, refresh: bool = False) -> StepCost:
-    """The cached calibration for this machine/model/dtypes, or a fresh one (then cached)."""
+    """The cached calibration for this processor/model/dtypes where a few of its points, timed again
+    (`drift`), are within SPOT_TOLERANCE of what it holds; otherwise a fresh one (then cached)."""
     from adaflash.target import cache_root
 
     key = machine_key(target, drafter)
@@ -432,10 +474,17 @@ def load_or_calibrate(target, drafter, cache_dir: Path | None = None, refresh: b
     if path.exists() and not refresh:
         try:
             cost = StepCost.from_json(json.loads(path.read_text()))
-            log.info("step costs of this machine and models: cached in %s", path)
-            return cost
         except (ValueError, KeyError, TypeError):
-            pass  # unreadable: measure again
+            cost = None  # unreadable: measure again
+        if cost is not None:
+            off = None if path in _CHECKED else drift(target, drafter, cost)
+            if off is None or off <= SPOT_TOLERANCE:
+                log.info("step costs of this machine and models: cached in %s", path)
+                _CHECKED.add(path)
+                return cost
+            log.warning(  # another machine of this processor model wrote it, or this one is loaded now
+                "the cached step costs in %s are %.0f%% off what this machine measures now: measuring them again", path, 100 * off
+            )
     log.info("measuring the step costs of this machine and models for the cost policy (about a minute, once: kept in %s)", path)
     t0 = time.perf_counter()
     cost = calibrate(target, drafter)
@@ -449,4 +498,5 @@ def load_or_calibrate(target, drafter, cache_dir: Path | None = None, refresh: b
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"key": key, **cost.to_json()}, indent=1) + "\n")
         tmp.replace(path)  # atomic: two servers starting together both write a whole file
+        _CHECKED.add(path)
     return cost

@@ -15,11 +15,13 @@ from adaflash.acceptance import AcceptanceModel, Running, block_features, prior_
 from adaflash.cost import (
     LONG_CONTEXT,
     LONG_GRID,
+    SPOT_TOLERANCE,
     TARGET_GRID,
     Linear,
     StepCost,
     attention_pairs,
     calibrate,
+    drift,
     fit_knee,
     load_or_calibrate,
     rows_feature,
@@ -172,6 +174,29 @@ def test_calibration_is_cached_per_machine(tmp_path, monkeypatch):
     assert not result[0].plausible() and linear_cost().plausible()
     load_or_calibrate(target, drafter, tmp_path)
     assert len(calls) == 3 and not list(tmp_path.glob("*.json"))
+
+
+def test_a_cached_calibration_is_timed_again_by_a_new_process_and_measured_anew_where_it_is_off(tmp_path, monkeypatch):
+    """The cache is keyed by processor model, not machine (two VMs of one kind differed by 35-55% in drafting):
+    a process that did not measure it itself times a few of its points again and recalibrates where one is
+    more than SPOT_TOLERANCE off; points shorter than SPOT_FLOOR are not compared (timer noise)."""
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    calls, result = [], [linear_cost()]  # its drafting point of 8 requests is 37 ms: the tiny drafter's is far less
+    monkeypatch.setattr("adaflash.cost.calibrate", lambda *a, **k: calls.append(1) or result[0])
+    load_or_calibrate(target, drafter, tmp_path)
+    load_or_calibrate(target, drafter, tmp_path)  # the process that measured it trusts it
+    assert len(calls) == 1
+    assert drift(target, drafter, linear_cost()) > SPOT_TOLERANCE
+    monkeypatch.setattr("adaflash.cost._CHECKED", set())  # a new process
+    load_or_calibrate(target, drafter, tmp_path)
+    assert len(calls) == 2
+    result[0] = linear_cost(d=(1e-4, 1e-5, 1e-5))  # every drafting point under SPOT_FLOOR
+    load_or_calibrate(target, drafter, tmp_path, refresh=True)
+    assert len(calls) == 3 and drift(target, drafter, result[0]) is None
+    monkeypatch.setattr("adaflash.cost._CHECKED", set())
+    load_or_calibrate(target, drafter, tmp_path)
+    assert len(calls) == 3
 
 
 # ----------------------------------------------------------------------------- acceptance model
