@@ -419,9 +419,12 @@ def drift(target, drafter, cost: StepCost) -> float | None:
     the drafter's pass and in where the row staircase rose (AMD EPYC, session 49): a calibration measured on
     the other priced drafting too dear, and live refits correct the drafter's coefficients only where
     something drafts."""
-    target_points, drafter_points = measure(target, drafter, SPOT_TARGET, (), SPOT_DRAFTER, (), reps=3)
-    cached = {("t",) + tuple(p[:3]): p[3] for p in cost.points["target"]} | {("d",) + tuple(p[:3]): p[3] for p in cost.points["drafter"]}
-    fresh = {("t",) + tuple(p[:3]): p[3] for p in target_points} | {("d",) + tuple(p[:3]): p[3] for p in drafter_points}
+
+    def seconds(target_points, drafter_points) -> dict:  # (pass, its point) -> seconds
+        return {("t", *p[:3]): p[3] for p in target_points} | {("d", *p[:3]): p[3] for p in drafter_points}
+
+    cached = seconds(cost.points["target"], cost.points["drafter"])
+    fresh = seconds(*measure(target, drafter, SPOT_TARGET, (), SPOT_DRAFTER, ()))
     off = [abs(t / cached[k] - 1.0) for k, t in fresh.items() if cached.get(k, 0.0) >= SPOT_FLOOR]
     return max(off) if off else None
 
