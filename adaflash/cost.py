@@ -31,7 +31,8 @@ since it last drafted (`Engine._extend_context`), so one that skipped many steps
 `calibrate` times a small grid of both passes (a few seconds) on dummy caches. `load_or_calibrate`
 keeps that under the user cache (`cache_root()/cost/`), keyed by CPU/GPU model, torch threads, the
 target's fingerprint and both dtypes, so a restart on the same machine measures little: three of the
-points timed again (`drift`, about a second), and the whole grid only where one is more than 30% off (a
+points timed again (`drift`, about a second; again with more sweeps where one is off, a burst of other work
+excused), and the whole grid only where one is more than 30% off (a
 calibration another machine of the same processor model wrote; one that does not fit the linear model,
 disturbed by other processes, is used but not kept). Live steps
 then refit the coefficients (`Linear.observe`: least squares with exponential forgetting, pulled
@@ -408,6 +409,7 @@ def calibrate(target, drafter, context: int = 32, reps: int = 3, seed: int = 0) 
 # and 8 each (past the knee), and drafting 8 requests (what a probe step or a small batch's drafting costs)
 SPOT_TARGET, SPOT_DRAFTER = ((8, 1), (8, 8)), ((8, 2),)
 SPOT_TOLERANCE = 0.3  # a cached point off by more than this share: the calibration is measured again
+SPOT_REPS = 3  # sweeps over the points, each keeping its fastest (twice as many again where one is off)
 SPOT_FLOOR = 2e-3  # seconds: cached points shorter than this are not compared (timer noise on small models)
 _CHECKED: set[Path] = set()  # cached calibrations this process has checked (a bench builds an engine a cell)
 
@@ -418,15 +420,25 @@ def drift(target, drafter, cost: StepCost) -> float | None:
     None where none is. The cache is keyed by processor model, and two VMs of one kind differed by 35-55% in
     the drafter's pass and in where the row staircase rose (AMD EPYC, session 49): a calibration measured on
     the other priced drafting too dear, and live refits correct the drafter's coefficients only where
-    something drafts."""
+    something drafts. Where a point is off, the points are timed once more and each keeps the faster of its
+    two: the fastest of three sweeps still caught bursts of other work on a shared VM (8 requests drafting
+    2 tokens, cached at 3.65 ms, timed 3.6-5.3 ms by successive checks): one check was off at six of six
+    process starts in a slow hour, each measuring the grid anew (~30 s); a second look of three sweeps kept
+    four of the six on the cache (session 51), and it takes six sweeps."""
 
     def seconds(target_points, drafter_points) -> dict:  # (pass, its point) -> seconds
         return {("t", *p[:3]): p[3] for p in target_points} | {("d", *p[:3]): p[3] for p in drafter_points}
 
+    def worst(fresh: dict) -> float | None:
+        off = [abs(t / cached[k] - 1.0) for k, t in fresh.items() if cached.get(k, 0.0) >= SPOT_FLOOR]
+        return max(off) if off else None
+
     cached = seconds(cost.points["target"], cost.points["drafter"])
-    fresh = seconds(*measure(target, drafter, SPOT_TARGET, (), SPOT_DRAFTER, ()))
-    off = [abs(t / cached[k] - 1.0) for k, t in fresh.items() if cached.get(k, 0.0) >= SPOT_FLOOR]
-    return max(off) if off else None
+    fresh = seconds(*measure(target, drafter, SPOT_TARGET, (), SPOT_DRAFTER, (), reps=SPOT_REPS))
+    if (off := worst(fresh)) is not None and off > SPOT_TOLERANCE:
+        again = seconds(*measure(target, drafter, SPOT_TARGET, (), SPOT_DRAFTER, (), reps=2 * SPOT_REPS))
+        off = worst({k: min(t, again[k]) for k, t in fresh.items()})
+    return off
 
 
 def machine_key(target, drafter) -> dict:

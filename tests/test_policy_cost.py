@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -197,6 +198,27 @@ def test_a_cached_calibration_is_timed_again_by_a_new_process_and_measured_anew_
     monkeypatch.setattr("adaflash.cost._CHECKED", set())
     load_or_calibrate(target, drafter, tmp_path)
     assert len(calls) == 3
+
+
+def test_a_spot_check_slowed_by_a_burst_is_timed_once_more_before_the_whole_grid_is(monkeypatch):
+    """One spot check of three sweeps caught bursts of other work on a shared VM and measured the whole grid
+    anew at four of six process starts: where a point is off, the points are timed again and each keeps
+    the faster of its two timings; a machine that is slower in both checks still counts as off."""
+    cached = {"target": [(8, 8, 0.5, 0.040), (8, 64, 4.0, 0.120)], "drafter": [(8, 2, 0, 0.004)]}
+
+    def timings(scale):  # what `measure` returns for the spot points, `scale` times the cached seconds
+        return [p[:3] + (scale * p[3],) for p in cached["target"]], [p[:3] + (scale * p[3],) for p in cached["drafter"]]
+
+    for scales, expected in (([1.5, 1.05], 0.05), ([1.5, 1.45], 0.45), ([1.1], 0.1)):
+        calls = []
+
+        def measure(*args, scales=scales, calls=calls, **kw):
+            calls.append(kw)
+            return timings(scales[len(calls) - 1])
+
+        monkeypatch.setattr("adaflash.cost.measure", measure)
+        assert drift(None, None, SimpleNamespace(points=cached)) == pytest.approx(expected)
+        assert len(calls) == len(scales) and calls[-1]["reps"] == (3 if len(calls) == 1 else 6)
 
 
 # ----------------------------------------------------------------------------- acceptance model
