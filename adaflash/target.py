@@ -404,11 +404,12 @@ def bf16_is_fast() -> bool:
 
 # Quantised targets (adaflash.quant): name -> (weight format, activation dtype). PyTorch's CPU int4/int8
 # kernels are fast with bfloat16 activations; with float32 ones 4-40x slower than the float32 target
-# (docs/benchmarks.md), kept because int4-fp32 multiplies with exactly the float32 target's weights.
+# (docs/benchmarks.md), kept because int4-fp32 multiplies with exactly the float32 target's weights. Our
+# q4 kernel takes either: None = bfloat16 where this CPU runs it fast, else float32 (an AVX2-only CPU).
 TARGET_QUANT_DTYPES = {
     "int4": ("int4", torch.bfloat16),
     "int4-fp32": ("int4", torch.float32),
-    "q4": ("q4", torch.bfloat16),
+    "q4": ("q4", None),
     "int8": ("int8", torch.bfloat16),
     "int8-fp32": ("int8", torch.float32),
 }
@@ -430,7 +431,7 @@ def resolve_target_dtype(name: str) -> tuple[torch.dtype, str | None]:
     """A target dtype name -> (activation dtype, quantised weight format or None for float weights)."""
     if name in TARGET_QUANT_DTYPES:
         fmt, act = TARGET_QUANT_DTYPES[name]
-        return act, fmt
+        return act or resolve_dtype("auto"), fmt
     if name not in ("auto", "float32", "fp32", "bfloat16", "bf16"):
         raise ValueError(f"target dtype must be one of {', '.join(TARGET_DTYPES)}; got {name!r}")
     return resolve_dtype(name), None

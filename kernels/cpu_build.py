@@ -33,7 +33,7 @@ _built: dict[str, object] = {}
 log = logging.getLogger("adaflash.kernels")
 
 
-def _build_dir(name: str, source: Path) -> Path:
+def _build_dir(name: str, source: Path, cflags: list[str]) -> Path:
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
@@ -41,7 +41,7 @@ def _build_dir(name: str, source: Path) -> Path:
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the sources include
     included = re.findall(r'^#include "(\w+\.cpp)"', source.read_text(), flags=re.M)  # kernels built into this one
     sources = source.read_bytes() + b"".join((source.parent / f).read_bytes() for f in included) + headers
-    parts = sources + torch.__version__.encode() + flags.encode() + " ".join(CFLAGS).encode()
+    parts = sources + torch.__version__.encode() + flags.encode() + " ".join(cflags).encode()
     key = hashlib.sha256(parts).hexdigest()[:16]
     base = os.environ.get("ADAFLASH_KERNEL_CACHE") or Path(user_cache_dir("adaflash")) / "kernels"
     root = Path(base) / f"{name}-{key}"
@@ -58,10 +58,13 @@ def signature() -> str:
     return digest.hexdigest()[:12]
 
 
-def build(name: str, source: Path, fallback: str):
+def build(name: str, source: Path, fallback: str, arch: str | None = None):
     """The compiled extension `name` from `source`, or None with a warning naming `fallback` (what the
     caller does instead); built once per process, cached across processes. Once built it is a dict
-    lookup: kernels are looked up on every norm, rotary and attention call of a step."""
+    lookup: kernels are looked up on every norm, rotary and attention call of a step. `arch`: built for
+    that -march instead of this CPU's (as `name`_`arch`), so a test runs the code an older CPU gets."""
+    cflags = CFLAGS if arch is None else [*CFLAGS, f"-march={arch}"]  # the last -march wins
+    name = name if arch is None else f"{name}_{arch.replace('-', '_')}"
     if name in _built:
         return _built[name]
     with _lock:
@@ -69,7 +72,7 @@ def build(name: str, source: Path, fallback: str):
             try:
                 from torch.utils.cpp_extension import load as cpp_load
 
-                root = _build_dir(name, source)
+                root = _build_dir(name, source, cflags)
                 fresh = not (root / f"adaflash_{name}.so").exists()  # a first start on this machine (or new sources) waits for g++
                 if fresh:
                     log.info("compiling the C++ CPU kernel %s with g++ (once per machine and source: kept in %s)", name, root)
@@ -80,7 +83,7 @@ def build(name: str, source: Path, fallback: str):
                     _built[name] = cpp_load(
                         name=f"adaflash_{name}",
                         sources=[str(source)],
-                        extra_cflags=CFLAGS,
+                        extra_cflags=cflags,
                         extra_ldflags=["-fopenmp"],
                         build_directory=str(root),
                         verbose=False,

@@ -13,21 +13,28 @@
 // Weights are packed per 16 outputs and group: 4 vectors of 64 bytes, byte (j * 4 + b) of vector c
 // holding q[j, 4c + b] in its low nibble and q[j, 16 + 4c + b] in its high one, so one AVX-512 VNNI
 // instruction (vpdpbusd) adds 4 products for each of the 16 outputs; 8-bit weights take 8 vectors,
-// byte (j * 4 + b) of vector c holding q[j, 4c + b]. Without VNNI a portable loop computes the same
-// integers.
+// byte (j * 4 + b) of vector c holding q[j, 4c + b]. Without VNNI, AVX2 computes the same integers 16 bits
+// at a time (see its Unpacked), and without AVX2 a portable loop does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define Q4_VNNI 1
+#define Q4_AVX2 0
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define Q4_VNNI 0
+#define Q4_AVX2 1
 #else
 #define Q4_VNNI 0
+#define Q4_AVX2 0
 #endif
 
 namespace {
@@ -40,7 +47,7 @@ constexpr int64_t BLOCK = 16;       // outputs per packed block
 template <int BITS>
 constexpr int64_t PACKED = 64 * BITS;  // bytes per block and group (16 outputs x 32 inputs): 256 (4-bit), 512 (8-bit)
 constexpr int64_t ROWS = 4;         // rows sharing each unpacked weight group
-constexpr int PAIR = 2;             // output blocks sharing each broadcast of a row's inputs
+constexpr int PAIR = Q4_AVX2 ? 1 : 2;  // output blocks sharing each broadcast of a row's inputs (AVX2: 16 registers)
 
 inline v16 load(const float* p) {
   v16 x;
@@ -76,6 +83,51 @@ struct Unpacked {
       for (int b = 0; b < NB; ++b) s[b] = _mm512_dpbusd_epi32(s[b], w[b][c], xb);
     }
     std::memcpy(out, s, sizeof(s));
+  }
+};
+#elif Q4_AVX2
+// Without VNNI, AVX2's vpmaddubsw multiplies unsigned weight bytes by signed input bytes and adds pairs into
+// 16-bit lanes, which saturate: weights are taken as 4-bit nibbles (8-bit ones as two, q = 16 hi + lo), so a
+// pair is at most 2 * 15 * 127 = 3810 and the 8 pairs of a group's 32 inputs at most 30480, exact in 16 bits;
+// vpmaddwd by ones then adds each output's two lanes into 32 bits. The same integers as the other paths.
+// Sixteen 256-bit registers do not hold a group's unpacked weights for two blocks (VNNI's 32 do), so each
+// nibble vector is unpacked where it is used, once for all R rows of the tile.
+template <int NB, int BITS>
+struct Unpacked {
+  const uint8_t* p;
+  int64_t stride;
+  Unpacked(const uint8_t* p_, int64_t stride_) : p(p_), stride(stride_) {}
+  // R rows' quantised inputs (row stride k) -> out[r][b]: their integer dot products with block b
+  template <int R>
+  inline void rows(const int8_t* x, int64_t k, i16 (*out)[NB]) const {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo[R], hi[R];  // 16-bit sums: weights' low nibbles (4-bit: inputs 0-15) and high ones (16-31)
+        for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+        for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * stride + c * 64 + h * 32));
+          const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, x + r * k + c * 4, 4);
+            const __m256i xl = _mm256_set1_epi32(four);
+            if (BITS == 8) {  // q = 16 hi + lo, both times inputs 4c..4c+3
+              lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
+              hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xl));
+            } else {  // low nibbles times inputs 4c.., high ones times 16 + 4c..
+              std::memcpy(&four, x + r * k + 16 + c * 4, 4);
+              lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
+              hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(four)));
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i l = _mm256_madd_epi16(lo[r], ones), u = _mm256_madd_epi16(hi[r], ones);
+          const __m256i s = BITS == 8 ? _mm256_add_epi32(_mm256_slli_epi32(u, 4), l) : _mm256_add_epi32(l, u);
+          std::memcpy(reinterpret_cast<int32_t*>(&out[r][b]) + 8 * h, &s, sizeof(s));
+        }
+      }
   }
 };
 #else
@@ -149,13 +201,22 @@ void tile(const uint8_t* w, const float* d, const float* m, int64_t bstride, con
       dv[b] = load(d + (b * bstride + g) * BLOCK);
       mv[b] = load(m + (b * bstride + g) * BLOCK);
     }
-    for (int r = 0; r < R; ++r) {
-      i16 dots[NB];
-      u.dot(qx + r * k + g * GROUP, dots);
+    auto add = [&](int r, const i16* dots) {  // row r's float operations for this group
       for (int b = 0; b < NB; ++b) {
         const v16 t = __builtin_convertvector(dots[b], v16) * dx[r * groups + g];
         acc[r][b] = acc[r][b] + dv[b] * t;
         acc[r][b] = acc[r][b] + mv[b] * sx[r * groups + g];
+      }
+    };
+    if constexpr (Q4_AVX2) {  // every row's integers first (see AVX2's Unpacked)
+      i16 dots[R][NB];
+      u.template rows<R>(qx + g * GROUP, k, dots);
+      for (int r = 0; r < R; ++r) add(r, dots[r]);
+    } else {
+      for (int r = 0; r < R; ++r) {
+        i16 dots[NB];
+        u.dot(qx + r * k + g * GROUP, dots);
+        add(r, dots);
       }
     }
   }
@@ -236,9 +297,10 @@ torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor 
   return out;
 }
 
-bool vnni() { return Q4_VNNI; }
+// which integer dot products this build runs: "avx512-vnni", "avx2" or "portable"
+std::string isa() { return Q4_VNNI ? "avx512-vnni" : (Q4_AVX2 ? "avx2" : "portable"); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &q4_linear, "Q4_1 / Q8_0 weights x int8-quantised activations, row-invariant (CPU)");
-  mod.def("vnni", &vnni, "whether this build uses AVX-512 VNNI");
+  mod.def("isa", &isa, "which integer dot products this build runs: avx512-vnni, avx2 or portable");
 }

@@ -1,6 +1,6 @@
 """Q4_1 (and Q8_0) weights times int8 activations on CPU (q4_cpu.cpp): the arithmetic llama.cpp uses for
 a GGUF's Q4_1 projections and Q8_0 LM head, row-invariant, with AVX-512 VNNI integer dot products where
-the CPU has them.
+the CPU has them, AVX2's where it has those (`isa()` says which).
 
 Why: PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`) reads 4x fewer weight bytes than bfloat16
 but does not scale with rows (it dequantises as it multiplies: at 16 rows slower than bfloat16), and a
@@ -24,9 +24,10 @@ GROUP = 32  # inputs per weight group (Q4_1's block) and per activation scale
 BLOCK = 16  # outputs per packed block
 
 
-def load():
-    """The compiled extension, or None where it cannot be built."""
-    return build("q4_cpu", SOURCE, "the q4 target dtype is unavailable; use int4, bfloat16 or float32")
+def load(arch: str | None = None):
+    """The compiled extension, or None where it cannot be built; `arch`: for that -march (a test of the
+    AVX2 path on a CPU with VNNI: "haswell")."""
+    return build("q4_cpu", SOURCE, "the q4 target dtype is unavailable; use int4, bfloat16 or float32", arch)
 
 
 def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -243,6 +243,39 @@ def test_q4_kernel_rows_are_their_own():
     assert lin.packed.data_ptr() == both.packed.data_ptr()
 
 
+# the kernel as older CPUs build it: AVX2 without VNNI (vpmaddubsw's 16-bit sums), and no AVX2 at all
+ISA_BUILDS = {"haswell": ("avx2", {"avx2", "fma"}), "x86-64-v2": ("portable", {"sse4_2"})}
+
+
+@needs_q4
+@pytest.mark.parametrize("arch", sorted(ISA_BUILDS))
+def test_q4_kernel_built_for_an_older_cpu_gives_the_same_bits(arch):
+    """Every build (VNNI, AVX2, the portable loop) computes the same integer dot products and then the same
+    float operations: the reference's bits, 4- and 8-bit weights, float32 and bfloat16 inputs, every tile
+    remainder. The extremes (weights 15 / 255, inputs +-127 in every position) are where AVX2's 16-bit
+    pair sums would saturate if they could."""
+    from adaflash.target import cpu_flags
+
+    isa, needs = ISA_BUILDS[arch]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU cannot run code built for {arch}")
+    kernel = q4_cpu.load(arch)
+    assert kernel is not None and kernel.isa() == isa
+    g = torch.Generator().manual_seed(3)
+    for bits, top in ((4, 15), (8, 255)):
+        q = torch.randint(0, top + 1, (48, 96), generator=g)
+        q[:16] = top  # the largest weights ...
+        d, m = torch.rand(48, 3, generator=g) * 0.01, torch.randn(48, 3, generator=g) * 0.01
+        packed, dp, mp = q4_cpu.pack(q, d, m, bits=bits)
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(rows, 96, generator=g)
+            x[0] = 1.0  # ... times inputs all quantised to 127,
+            x[-1, :32], x[-1, 32:64] = -1.0, torch.tensor([1.0, -1.0]).repeat(16)  # -127, and alternating signs
+            ref = q4_cpu.reference(x, q.float(), d, m)
+            assert torch.equal(kernel.q4_linear(x, packed, dp, mp), ref), (bits, rows)
+            assert torch.equal(kernel.q4_linear(x.bfloat16(), packed, dp, mp), q4_cpu.load().q4_linear(x.bfloat16(), packed, dp, mp))
+
+
 @needs_q4
 @pytest.mark.parametrize("rows", [1, 5])
 def test_q8_head_is_the_kernels_reference_bit_for_bit(rows):
@@ -323,6 +356,7 @@ def test_target_dtype_names(tiny_hf_dir):
     assert resolve_target_dtype("int4") == (torch.bfloat16, "int4")
     assert resolve_target_dtype("int4-fp32") == (torch.float32, "int4")
     assert resolve_target_dtype("float32") == (torch.float32, None)
+    assert resolve_target_dtype("q4") == (resolve_dtype("auto"), "q4")  # bfloat16 inputs only where this CPU runs them fast
     with pytest.raises(ValueError, match="target dtype must be one of"):
         resolve_target_dtype("int3")
     with pytest.raises(ValueError, match="quantised target's weight format"):
