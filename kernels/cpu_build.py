@@ -33,7 +33,7 @@ _built: dict[str, object] = {}
 log = logging.getLogger("adaflash.kernels")
 
 
-def _build_dir(name: str, source: Path, cflags: list[str]) -> Path:
+def _build_dir(name: str, source: Path, cflags: list[str] = CFLAGS) -> Path:
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
