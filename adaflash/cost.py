@@ -441,17 +441,19 @@ def drift(target, drafter, cost: StepCost) -> float | None:
     return off
 
 
+def processor(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (/proc/cpuinfo; the platform's where there is none)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def machine_key(target, drafter) -> dict:
     """What a calibration depends on: processor, threads, torch, the target's weights and both dtypes."""
-    dev = target.lm_head.weight.device
-    if dev.type == "cuda":
-        proc = torch.cuda.get_device_name(dev)
-    else:
-        proc = platform.processor() or platform.machine()
-        try:
-            proc = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
+    proc = processor(target.lm_head.weight.device)
     from adaflash.kernels.cpu_build import signature
     from adaflash.layers import MIN_ROWS, PAD_ROWS
     from adaflash.quant import weight_format

@@ -171,6 +171,28 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _machine_text(target, drafter) -> str:
+    """The report's machine line: processor, cores, threads, the vector code PyTorch's kernels run, both models' forms
+    and, where one runs q4, which integer dot products its kernel has (runs on other machines are compared by it)."""
+    import platform
+
+    import torch
+    from adaflash.kernels import q4_cpu
+
+    from adaflash.cost import processor
+    from adaflash.quant import weight_format
+
+    def form(model) -> str:
+        fmt = weight_format(model)
+        return str(model.dtype).removeprefix("torch.") + ("" if fmt == "float" else f" + {fmt} weights")
+
+    isa = f", q4 kernel {q4_cpu.load().isa()}" if "q4" in (weight_format(target), weight_format(drafter)) else ""
+    return (
+        f"{processor(target.lm_head.weight.device)} ({platform.machine()}), {os.cpu_count()} cores, torch threads "
+        f"{torch.get_num_threads()}, ATen {torch.backends.cpu.get_cpu_capability()}; target {form(target)}, drafter {form(drafter)}{isa}"
+    )
+
+
 def _bench_prompts(args, target) -> dict:
     """Prompts per domain for bench / fit-head / policy-eval: a split of the built sets (`--split`, or per
     domain as `name:split`, e.g. `code:train` for the train-only domain), or a JSONL file."""
@@ -228,8 +250,6 @@ def _shift_args(args: argparse.Namespace, methods: list[str], concurrency: list[
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import platform
-
     from adaflash.pipelines.bench import (
         ENGINE_METHODS,
         HF_METHODS,
@@ -305,7 +325,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = _bench_prompts(args, target)
     meta = {
         "command": "adaflash " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {__import__('torch').get_num_threads()}",
+        "machine": _machine_text(target.model, drafter),
         "max_new_tokens": args.max_new_tokens,
         "token_budget": args.token_budget,
         "target": target.identity,

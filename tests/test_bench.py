@@ -50,6 +50,7 @@ def test_fit_head_then_bench_all_methods(tiny_hf_dir, tiny_drafter_dir, tmp_path
     assert (out / "throughput.png").exists() and (out / "head_pred_vs_true.png").exists()
     report = (out / "report.md").read_text()
     assert "| math | 3 | head |" in report and "| fastest | method | vs ar | vs the best fixed length |" in report
+    assert "cores, torch threads" in report and "ATen " in report and "; target float32, drafter " in report  # which machine and forms
     # the calibration's caching is test_policy_cost's (a sweep disturbed by other processes is not kept)
     assert "| cost | " in report.split("vs the best fixed length |")[1]
     assert main(["bench", *common, "--methods", "warp"]) == 2
