@@ -101,33 +101,53 @@ struct Unpacked {
   template <int R>
   inline void rows(const int8_t* x, int64_t k, i16 (*out)[NB]) const {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < NB; ++b)
-      for (int h = 0; h < 2; ++h) {
-        __m256i lo[R], hi[R];  // 16-bit sums: weights' low nibbles (4-bit: inputs 0-15) and high ones (16-31)
+    for (int b = 0; b < NB; ++b) {
+      if (BITS == 4) {  // both halves of the block at once: a quad of inputs is broadcast once for 16 outputs
+        __m256i acc[R][2];  // 16-bit sums over low and high nibbles alike: 8 pairs, at most 30480
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          __m256i wl[2], wh[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * stride + c * 64 + h * 32));
+            wl[h] = _mm256_and_si256(v, low);
+            wh[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          }
+          for (int r = 0; r < R; ++r) {
+            int32_t lo4, hi4;  // inputs 4c..4c+3 meet the low nibbles, 16 + 4c.. the high ones
+            std::memcpy(&lo4, x + r * k + c * 4, 4);
+            std::memcpy(&hi4, x + r * k + 16 + c * 4, 4);
+            const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+            for (int h = 0; h < 2; ++h)
+              acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(wl[h], xl), _mm256_maddubs_epi16(wh[h], xh)));
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i s = _mm256_madd_epi16(acc[r][h], ones);
+            std::memcpy(reinterpret_cast<int32_t*>(&out[r][b]) + 8 * h, &s, sizeof(s));
+          }
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {  // 8-bit: q = 16 hi + lo, both nibbles times inputs 4c..4c+3, kept apart
+        __m256i lo[R], hi[R];
         for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-        for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
+        for (int c = 0; c < 8; ++c) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * stride + c * 64 + h * 32));
           const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; ++r) {
             int32_t four;
             std::memcpy(&four, x + r * k + c * 4, 4);
             const __m256i xl = _mm256_set1_epi32(four);
-            if (BITS == 8) {  // q = 16 hi + lo, both times inputs 4c..4c+3
-              lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
-              hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xl));
-            } else {  // low nibbles times inputs 4c.., high ones times 16 + 4c..
-              std::memcpy(&four, x + r * k + 16 + c * 4, 4);
-              lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
-              hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(four)));
-            }
+            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
+            hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xl));
           }
         }
         for (int r = 0; r < R; ++r) {
-          const __m256i l = _mm256_madd_epi16(lo[r], ones), u = _mm256_madd_epi16(hi[r], ones);
-          const __m256i s = BITS == 8 ? _mm256_add_epi32(_mm256_slli_epi32(u, 4), l) : _mm256_add_epi32(l, u);
+          const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r], ones), 4), _mm256_madd_epi16(lo[r], ones));
           std::memcpy(reinterpret_cast<int32_t*>(&out[r][b]) + 8 * h, &s, sizeof(s));
         }
       }
+    }
   }
 };
 #else
