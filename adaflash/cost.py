@@ -29,7 +29,7 @@ since it last drafted (`Engine._extend_context`), so one that skipped many steps
 (adaflash.policy_cost) reads the step's seconds as a function of the tokens it verifies.
 
 `calibrate` times a small grid of both passes (a few seconds) on dummy caches. `load_or_calibrate`
-keeps that under the user cache (`cache_root()/cost/`), keyed by CPU/GPU model, torch threads, the
+keeps that under the user cache (`cache_root()/cost/`), keyed by CPU/GPU model, the vector code ATen runs, torch threads, the
 target's fingerprint and both dtypes, so a restart on the same machine measures little: three of the
 points timed again (`drift`, about a second; again with more sweeps where one is off, a burst of other work
 excused), and the whole grid only where one is more than 30% off (a
@@ -464,6 +464,7 @@ def machine_key(target, drafter) -> dict:
 
     return {
         "processor": proc,
+        "isa": torch.backends.cpu.get_cpu_capability(),  # the vector code ATen runs (held lower by ATEN_CPU_CAPABILITY: scripts/as_avx2.py)
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "attention": "kv-pool",  # the engine's attention (ragged over one KV pool since issue 21): its step costs differ

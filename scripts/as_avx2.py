@@ -7,8 +7,8 @@ PyTorch's own kernels (ATen), oneDNN and MKL are held to AVX2 (ATEN_CPU_CAPABILI
 MKL_ENABLE_INSTRUCTIONS, set here before torch loads), our C++ kernels are built for -march=haswell, and the
 CPU flags the code reads to choose dtypes (`adaflash.target.cpu_flags`) lose AVX-512, AVX-VNNI and AMX. What
 stays the machine's: its memory, caches and clock, so absolute speeds are not an AVX2 machine's; the ratios
-between dtypes and methods of one run are what it is for (docs/benchmarks.md, q4 on AVX2). Do not run `cost`
-methods through it: their step costs are cached under this processor's name.
+between dtypes and methods of one run are what it is for (docs/benchmarks.md, q4 on AVX2). The `cost` policy's
+step costs are measured and cached apart (their cache key holds ATen's vector code).
 """
 
 from __future__ import annotations
