@@ -456,11 +456,8 @@ def machine_key(target, drafter) -> dict:
     proc = processor(target.lm_head.weight.device)
     from adaflash.kernels.cpu_build import signature
     from adaflash.layers import MIN_ROWS, PAD_ROWS
-    from adaflash.quant import weight_format
+    from adaflash.quant import model_form
     from adaflash.target import fingerprint
-
-    def form(dtype: torch.dtype, model) -> str:  # "torch.bfloat16", or "torch.bfloat16+q4" for quantised projections
-        return str(dtype) + ("" if (fmt := weight_format(model)) == "float" else f"+{fmt}")
 
     return {
         "processor": proc,
@@ -474,9 +471,9 @@ def machine_key(target, drafter) -> dict:
         "drafts": "after-forward",  # calibrations since drafting points are timed after a target forward (caches emptied)
         "small_rows": [PAD_ROWS, MIN_ROWS],  # oneDNN calls of 1..PAD_ROWS rows padded to MIN_ROWS: they cost what 4 rows do
         "target": fingerprint(target),
-        "target_dtype": form(target.lm_head.weight.dtype, target),
+        "target_dtype": model_form(target),
         "drafter": f"{drafter.config.num_layers}x{drafter.config.hidden_size}",
-        "drafter_dtype": form(drafter.dtype, drafter),
+        "drafter_dtype": model_form(drafter),
         "draft_vocab": 0 if drafter.vocab is None else int(drafter.vocab.numel()),
     }
 

@@ -354,6 +354,13 @@ def weight_format(model: nn.Module) -> str:
     return "float"
 
 
+def model_form(model: nn.Module) -> str:
+    """The model's activation dtype and, for quantised projections, their format: "torch.float32",
+    "torch.bfloat16+q4" (what a step-cost calibration depends on, and what a bench report names)."""
+    fmt = weight_format(model)
+    return str(model.dtype) + ("" if fmt == "float" else f"+{fmt}")
+
+
 def _swap(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     old = model.get_submodule(path)

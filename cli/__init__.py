@@ -180,16 +180,13 @@ def _machine_text(target, drafter) -> str:
     from adaflash.kernels import q4_cpu
 
     from adaflash.cost import processor
-    from adaflash.quant import weight_format
+    from adaflash.quant import model_form
 
-    def form(model) -> str:
-        fmt = weight_format(model)
-        return str(model.dtype).removeprefix("torch.") + ("" if fmt == "float" else f" + {fmt} weights")
-
-    isa = f", q4 kernel {q4_cpu.load().isa()}" if "q4" in (weight_format(target), weight_format(drafter)) else ""
+    forms = [model_form(m).removeprefix("torch.") for m in (target, drafter)]
+    isa = f", q4 kernel {q4_cpu.load().isa()}" if any(f.endswith("+q4") for f in forms) else ""
     return (
         f"{processor(target.lm_head.weight.device)} ({platform.machine()}), {os.cpu_count()} cores, torch threads "
-        f"{torch.get_num_threads()}, ATen {torch.backends.cpu.get_cpu_capability()}; target {form(target)}, drafter {form(drafter)}{isa}"
+        f"{torch.get_num_threads()}, ATen {torch.backends.cpu.get_cpu_capability()}; target {forms[0]}, drafter {forms[1]}{isa}"
     )
 
 
