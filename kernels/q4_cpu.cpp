@@ -102,7 +102,7 @@ struct Unpacked {
   inline void rows(const int8_t* x, int64_t k, i16 (*out)[NB]) const {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < NB; ++b) {
-      if (BITS == 4) {  // both halves of the block at once: a quad of inputs is broadcast once for 16 outputs
+      if constexpr (BITS == 4) {  // both halves of the block at once: a quad of inputs is broadcast once for 16 outputs
         __m256i acc[R][2];  // 16-bit sums over low and high nibbles alike: 8 pairs, at most 30480
         for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
@@ -126,25 +126,25 @@ struct Unpacked {
             const __m256i s = _mm256_madd_epi16(acc[r][h], ones);
             std::memcpy(reinterpret_cast<int32_t*>(&out[r][b]) + 8 * h, &s, sizeof(s));
           }
-        continue;
-      }
-      for (int h = 0; h < 2; ++h) {  // 8-bit: q = 16 hi + lo, both nibbles times inputs 4c..4c+3, kept apart
-        __m256i lo[R], hi[R];
-        for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * stride + c * 64 + h * 32));
-          const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          for (int r = 0; r < R; ++r) {
-            int32_t four;
-            std::memcpy(&four, x + r * k + c * 4, 4);
-            const __m256i xl = _mm256_set1_epi32(four);
-            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
-            hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xl));
+      } else {
+        for (int h = 0; h < 2; ++h) {  // 8-bit: q = 16 hi + lo, both nibbles times inputs 4c..4c+3, kept apart
+          __m256i lo[R], hi[R];
+          for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * stride + c * 64 + h * 32));
+            const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; ++r) {
+              int32_t four;
+              std::memcpy(&four, x + r * k + c * 4, 4);
+              const __m256i xl = _mm256_set1_epi32(four);
+              lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
+              hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xl));
+            }
           }
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r], ones), 4), _mm256_madd_epi16(lo[r], ones));
-          std::memcpy(reinterpret_cast<int32_t*>(&out[r][b]) + 8 * h, &s, sizeof(s));
+          for (int r = 0; r < R; ++r) {
+            const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r], ones), 4), _mm256_madd_epi16(lo[r], ones));
+            std::memcpy(reinterpret_cast<int32_t*>(&out[r][b]) + 8 * h, &s, sizeof(s));
+          }
         }
       }
     }
