@@ -54,6 +54,14 @@ PAYOFF_PLANS = 3  # a probe paid where its request then drafted at this many pla
 LABEL_BATCH = 32  # labels the acceptance models gather before a refit
 
 
+def room(states, n_pos: int) -> np.ndarray:
+    """[R, J] bool: the block positions 1..J each request can still commit (drafts beyond max_new_tokens are
+    never verified, `Engine._plan`'s budget): a plan counts no tokens there, and a request at its last token
+    is no probe."""
+    budget = np.array([s.req.max_new_tokens - len(s.out) - 1 for s in states], dtype=np.int64)  # [R]
+    return np.arange(n_pos)[None] < budget[:, None]
+
+
 def mean_context(states) -> float:
     """The tokens each request's verification attends to before its new ones (its prompt and output but the
     anchor), averaged: the step-cost model prices every verified token's attention at it."""
@@ -465,7 +473,8 @@ class CostPolicy(VerifyPolicy):
             self._chained = []
             return list(draft)
         xp = prior_features(self.running.rate(ids), self.k_blk - 1)  # [R, K-1, 3]
-        cum = np.cumprod(self.prior.predict(xp), -1)  # [R, K-1]
+        fits = room(states, self.k_blk - 1)  # [R, K-1]
+        cum = np.cumprod(self.prior.predict(xp), -1) * fits  # [R, K-1]
         ctx = mean_context(states)
         secs = self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, ctx))  # [R*(K-1) + 1]
         step_s = float(secs[0])
@@ -476,7 +485,7 @@ class CostPolicy(VerifyPolicy):
         draft_s, extend_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
         extra_s = self._extend_charge(ids, states, extend_s, cum)  # [R]
         self._save_explore(step_s)
-        force = self._probes(ids, extend_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0])  # paid whole
+        force = self._probes(ids, extend_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0], fits[:, 0])  # paid whole
         plan = plan_drafts(cum, secs, fixed, draft_s, force, extra_s)
         self._block = min(self.k_blk, plan.block + self.slack) if plan.block else 2
         self._last = None if force.any() else (key, plan.draft.tolist(), self._block, secs, fixed, step_s)  # a probe is one step
@@ -548,19 +557,20 @@ class CostPolicy(VerifyPolicy):
         passes added (the drafting pass, priced apart, carries the overrun factor k)."""
         return secs + self.overrun.o
 
-    def _probes(self, ids: list[str], cost: np.ndarray, d_pass: float) -> np.ndarray:
+    def _probes(self, ids: list[str], cost: np.ndarray, d_pass: float, can: np.ndarray) -> np.ndarray:
         """[R] bool: requests probed this step: those whose back-off has elapsed, on a step of the shared
         cadence (the probes of many requests then share one drafter pass instead of each paying one in
         a step of its own), at most one in PROBE_SHARE of the batch (or two), the longest skipped
         first, as far as the exploration budget (`explore`, EXPLORE of every step's time) pays for
         them: cost [R] the seconds each would add (its drafting, the context it extends first, one
-        more token verified), d_pass those of the drafter pass they share. Exploring so costs at most
+        more token verified), d_pass those of the drafter pass they share; can [R] bool: requests that can
+        still commit a draft (a probe at a request's last token verified nothing). Exploring so costs at most
         EXPLORE of the time where drafting does not pay, and PAYOFF_FLOOR of that where recent probes
         found nothing that paid."""
         force = np.zeros(len(ids), dtype=bool)
         if self.steps % PROBE_SYNC:
             return force
-        due = [j for j, i in enumerate(ids) if self.skipped.get(i, 0) >= self.probe_every.get(i, 4)]
+        due = [j for j, i in enumerate(ids) if can[j] and self.skipped.get(i, 0) >= self.probe_every.get(i, 4)]
         spend = d_pass
         for j in sorted(due, key=lambda j: -self.skipped.get(ids[j], 0))[: max(2, len(ids) // PROBE_SHARE)]:
             if spend + float(cost[j]) > self.explore:
@@ -644,7 +654,7 @@ class CostPolicy(VerifyPolicy):
         conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]) if logits is None else logits)  # [R, J]
         x = block_features(conf, self.running.rate(ids))  # [R, J, 4]
         cond = self.block.predict(x)  # [R, J]
-        cum = np.cumprod(cond, -1)
+        cum = np.cumprod(cond, -1) * room(states, n_pos)  # [R, J]
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
         spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
         secs, fixed = self._secs, self._fixed  # [>= R*J + 1]

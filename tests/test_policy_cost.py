@@ -1021,3 +1021,32 @@ def test_the_prior_model_learns_only_positions_at_risk():
     ((xp, yp),) = pol.prior._held
     assert yp.tolist() == [1.0, 0.0] + [1.0] * 4 + [0.7] * 11  # a's positions 3-15 left out; b's 5-15 at risk
     assert np.array_equal(xp[:, 1], np.log([1, 2, 1, 2, 3, 4, *range(5, 16)]))
+
+
+def test_no_tokens_are_counted_past_a_requests_last():
+    """Drafts beyond max_new_tokens are never verified: a request at its last token is neither drafted nor
+    probed (a probe there spent a drafter pass and its context's extension on nothing), and one with two
+    tokens to go is planned one draft at most."""
+
+    def request(max_new: int, out: int) -> RequestState:
+        st = RequestState(Request("a", [1, 2, 3], max_new), DrafterSlot(None), None, None, torch.Generator())
+        st.out = [7] * out
+        return st
+
+    def planned(max_new: int, out: int) -> tuple[bool, int]:
+        policy = CostPolicy(linear_cost(**CHEAP), 16)
+        policy.prior = AcceptanceModel([4.0, 0.0, 0.0], prior=1e6)  # P = 0.98 at every position: drafts pay
+        st = [request(max_new, out)]
+        return policy.select(st)[0], policy.draft_len(16)  # the block the drafter runs: the plan's + slack 1
+
+    assert planned(64, 10) == (True, 16) and planned(12, 10) == (True, 3) and planned(11, 10)[0] is False
+
+    def probed(max_new: int, out: int) -> bool:
+        policy = CostPolicy(linear_cost(**CHEAP), 16)
+        policy.prior = AcceptanceModel([-9.0, 0.0, 0.0], prior=1e6)  # nothing is accepted: only a probe drafts
+        policy.explore = float("inf")
+        policy.skipped["a"] = 40
+        st = [request(max_new, out)]
+        return any(policy.select(st)[0] for _ in range(4))
+
+    assert probed(64, 10) and not probed(11, 10)
