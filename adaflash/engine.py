@@ -205,6 +205,11 @@ class VerifyPolicy(ABC):
     def observe_lookup(self, states: list[RequestState], accepted: list[int]) -> None:
         """Called after verification with each lookup round's accepted chain tokens."""
 
+    def state(self) -> list[tuple[str, str, str, float]]:
+        """What the policy has learnt, for an operator (the server's /metrics and /v1/status): [(name, kind
+        ("gauge" or "counter"), help, value)]. A fixed policy learns nothing."""
+        return []
+
 
 class FixedPolicy(VerifyPolicy):
     """Always verify k tokens (DFlash: k = block size)."""

@@ -438,6 +438,8 @@ class CostPolicy(VerifyPolicy):
         # less often, down to PAYOFF_FLOOR of EXPLORE; one that pays raises it again
         self.payoff = 1.0
         self._probed: dict[str, int] = {}  # probed request -> drafting plans since, until it is scored
+        self.probes = 0  # requests probed so far
+        self.step_error = float("nan")  # recent decoding steps' |wall - predicted| / wall, averaged (`state`)
         self._excess: tuple[float, float] | None = None  # this step's (t_T without drafts, E) for observe_step
         # the last plan, (request ids, others, which drafted, block length, its step seconds): until the next
         # probe step (at most PROBE_SYNC - 1 steps) the same batch keeps it without planning again. Where
@@ -579,6 +581,7 @@ class CostPolicy(VerifyPolicy):
             force[j] = True
         if force.any():
             self.explore -= spend
+            self.probes += int(force.sum())
         return force
 
     def _after_plan(self, rid: str, drafts: bool) -> None:
@@ -609,6 +612,36 @@ class CostPolicy(VerifyPolicy):
 
     def draft_len(self, k_blk, head=None):
         return min(self._block, k_blk)
+
+    def state(self):
+        """Why the policy drafts as much as it does: the traffic's acceptance it plans with, what exploring
+        costs and finds, and how well the step-cost model predicts this machine's steps."""
+        g, o = self.running, self.overrun
+        return [
+            (
+                "traffic_acceptance",
+                "gauge",
+                "the traffic's running P(a draft is accepted | the ones before were): new requests plan with it",
+                g.g_acc / g.g_seen,
+            ),
+            ("probes", "counter", "undrafted requests drafted as probes, to see whether drafting pays again", float(self.probes)),
+            ("probe_payoff", "gauge", "share of recent probes whose request then kept drafting", self.payoff),
+            (
+                "exploration_share",
+                "gauge",
+                "share of the time probes may spend now (falls where they find nothing)",
+                EXPLORE * max(PAYOFF_FLOOR, self.payoff),
+            ),
+            ("step_overrun_seconds", "gauge", "a step's work outside the target and drafter passes, learnt from whole steps", o.o),
+            ("drafting_cost_factor", "gauge", "drafting's cost against the step-cost model's price, learnt from whole steps", o.k),
+            (
+                "step_cost_error",
+                "gauge",
+                "recent decoding steps' |wall time - predicted| / wall time, ~50 steps (NaN: none yet); "
+                "large: the calibration does not fit this machine now",
+                self.step_error,
+            ),
+        ]
 
     # -- prompt lookup
     def lookup_lengths(self, states, chains, others=0):
@@ -710,6 +743,8 @@ class CostPolicy(VerifyPolicy):
         misses there (a first step's one-off work, hundreds of milliseconds) says nothing about decoding."""
         if self._excess is not None and not self._prompts[0]:
             plain, excess = self._excess
+            err = abs(seconds - (plain + self.overrun.o + self.overrun.k * excess)) / max(seconds, 1e-9)  # predicted before the refit
+            self.step_error = err if self.step_error != self.step_error else 0.98 * self.step_error + 0.02 * err
             over = min(max(seconds - plain, -0.5 * plain), 0.5 * plain + self.overrun.k_max * excess)
             self.overrun.update(excess, over)
         self._excess, self._batch, self._secs, self._prompts = None, None, None, (0, 0)

@@ -13,6 +13,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
+def policy_state(engine) -> list[tuple[str, str, str, float]]:
+    """The serving policy's learnt state (`VerifyPolicy.state`); a stock engine's policy reports none."""
+    state = getattr(engine.policy, "state", None)
+    return state() if state is not None else []
+
+
 class _Collector:
     def __init__(self, state):
         self.state = state  # app.ServerState: runner, swapper, ready
@@ -33,6 +39,11 @@ class _Collector:
             ("adaflash_generated_tokens", "output tokens committed", c.generated_tokens),
             ("adaflash_engine_steps", "engine steps", c.steps),
             ("adaflash_verify_rounds", "verification rounds (one per running request per step)", c.rounds),
+            (
+                "adaflash_drafted_rounds",
+                "verification rounds that verified a draft or a lookup token (the rest decoded plainly)",
+                c.drafted_rounds,
+            ),
             ("adaflash_verify_tokens", "tokens the target verified (anchor included)", c.verify_tokens),
             ("adaflash_trajectory_rows", "finished requests appended to the trajectory buffer", c.rows_written),
             ("adaflash_trajectory_shards", "trajectory shards published", len(runner.writer.shards_written) if runner.writer else 0),
@@ -60,10 +71,17 @@ class _Collector:
                 f"verified tokens per engine step over the last {runner.WINDOW_S:.0f} s",
                 recent["verify_tokens_per_step"],
             ),
+            (
+                "adaflash_drafted_round_share",
+                f"share of verification rounds that verified a draft over the last {runner.WINDOW_S:.0f} s (NaN: none)",
+                recent["drafted_share"],
+            ),
             ("adaflash_queue_depth", "requests waiting for a batch slot", runner.queue_depth),
             ("adaflash_running_requests", "requests in the running batch", runner.running),
         ]:
             yield GaugeMetricFamily(name, doc, value=float("nan") if value is None else value)
+        for name, kind, doc, value in policy_state(engine):
+            yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"adaflash_policy_{name}", doc, value=value)
         guard = st.guard
         if guard is not None:
             tau = GaugeMetricFamily("adaflash_live_tau", "mean tau of recent finished requests, per drafter version", labels=["version"])

@@ -98,6 +98,7 @@ class Counters:
     generated_tokens: int = 0
     steps: int = 0
     rounds: int = 0
+    drafted_rounds: int = 0  # rounds that verified a draft or a lookup token (the rest decoded plainly)
     verify_tokens: int = 0
     spec_tokens: int = 0  # tokens committed by verification rounds (tau's numerator)
     rows_written: int = 0
@@ -139,7 +140,7 @@ class EngineRunner:
         self._inflight = 0  # accepted, not yet finished
         self._accepting = True
         self._closing = threading.Event()
-        self._recent: collections.deque = collections.deque()  # (t, generated, rounds, spec tokens, verify tokens)
+        self._recent: collections.deque = collections.deque()  # (t, generated, rounds, spec tokens, verify tokens, drafted rounds)
         self._t0 = self._trimmed = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="adaflash-engine", daemon=True)
 
@@ -183,12 +184,13 @@ class EngineRunner:
         now = time.monotonic()
         rows = [r for r in list(self._recent) if r[0] >= now - self.WINDOW_S]
         span = min(self.WINDOW_S, max(now - self._t0, 1e-3))
-        gen, rounds, spec, verify = (sum(r[i] for r in rows) for i in range(1, 5))
+        gen, rounds, spec, verify, drafted = (sum(r[i] for r in rows) for i in range(1, 6))
         steps = sum(1 for r in rows if r[2])
         return {
             "tokens_per_s": gen / span,
             "tau": spec / rounds if rounds else None,
             "verify_tokens_per_step": verify / steps if steps else None,
+            "drafted_share": drafted / rounds if rounds else None,
         }
 
     def stop_accepting(self) -> None:
@@ -294,7 +296,7 @@ class EngineRunner:
                 h.push(Outcome([], "error", {}, f"engine error: {e}"))
             return
         c = self.counters
-        before = (c.generated_tokens, c.rounds, c.spec_tokens, c.verify_tokens)
+        before = (c.generated_tokens, c.rounds, c.spec_tokens, c.verify_tokens, c.drafted_rounds)
         for st in self.engine.running:
             self._progress(st)
         for st in done:
@@ -302,7 +304,14 @@ class EngineRunner:
         c.steps += 1
         c.verify_tokens = self.engine.stats["verify_tokens"]
         self._recent.append(
-            (time.monotonic(), c.generated_tokens - before[0], c.rounds - before[1], c.spec_tokens - before[2], c.verify_tokens - before[3])
+            (
+                time.monotonic(),
+                c.generated_tokens - before[0],
+                c.rounds - before[1],
+                c.spec_tokens - before[2],
+                c.verify_tokens - before[3],
+                c.drafted_rounds - before[4],
+            )
         )
         while self._recent and self._recent[0][0] < time.monotonic() - self.WINDOW_S:
             self._recent.popleft()
@@ -317,6 +326,7 @@ class EngineRunner:
                 self._queued -= 1
         new_rounds = st.rounds[h.rounds_seen :]
         self.counters.rounds += len(new_rounds)
+        self.counters.drafted_rounds += sum(r.verify_len > 1 for r in new_rounds)
         self.counters.spec_tokens += sum(r.accepted + 1 for r in new_rounds)
         h.rounds_seen = len(st.rounds)
         if len(st.out) > h.seen:

@@ -499,6 +499,9 @@ def test_cost_policy_is_lossless():
     states = Engine(target, drafter, policy, eos_ids=[5], max_batch=3, token_budget=40).run(reqs)
     assert [s.out for s in states] == [p.out for p in plain]
     assert any(rd.verify_len > 1 for s in states for rd in s.rounds)
+    state = {name: value for name, _, _, value in policy.state()}  # what the server's /metrics shows of it
+    assert 0 < state["traffic_acceptance"] < 1 and 0.5 <= state["drafting_cost_factor"] <= 4 and state["probes"] >= 0
+    assert 0 <= state["step_cost_error"] < float("inf")  # steps were timed against the model's prediction
 
 
 def test_the_engine_reports_each_steps_attention_pairs():
@@ -550,6 +553,7 @@ def test_useless_drafter_falls_back_to_plain_decoding():
     assert sum(late) <= 0.1 * sum(len(s.rounds) for s in states)  # then only the probes draft: plain decoding
     fresh = [RequestState(r, DrafterSlot(drafter), None, None, torch.Generator()) for r in requests(3, seed=9)]
     assert policy.select(fresh) == [False, False, False]  # new requests are not drafted either
+    assert dict((n, v) for n, _, _, v in policy.state())["traffic_acceptance"] < 0.2  # what /metrics tells an operator
 
 
 def test_useless_lookup_chains_are_refused():

@@ -147,6 +147,8 @@ def test_metrics_parse_and_count(server):
         "adaflash_drafter_swaps",
         "adaflash_trajectory_rows_inexact",
         "adaflash_schedule_updates",
+        "adaflash_drafted_rounds",
+        "adaflash_policy_probes",
         "adaflash_registry_refused_versions",
         "adaflash_registry_poll_errors",
     ):
@@ -158,11 +160,19 @@ def test_metrics_parse_and_count(server):
         "adaflash_queue_depth",
         "adaflash_running_requests",
         "adaflash_ready",
+        "adaflash_drafted_round_share",
+        "adaflash_policy_traffic_acceptance",
+        "adaflash_policy_step_cost_error",
+        "adaflash_policy_drafting_cost_factor",
     ):
         assert fams[name].type == "gauge", name
     assert value("adaflash_generated_tokens") >= 8 and value("adaflash_requests", finish_reason="length") >= 1
     assert value("adaflash_trajectory_rows") >= 1 and value("adaflash_ready") == 1
     assert value("adaflash_tau") >= 1 and 1 <= value("adaflash_verify_tokens_per_step") <= 4
+    assert 0 <= value("adaflash_drafted_rounds") <= value("adaflash_verify_rounds") and 0 <= value("adaflash_drafted_round_share") <= 1
+    assert 0 < value("adaflash_policy_traffic_acceptance") < 1 and value("adaflash_policy_step_cost_error") >= 0  # the cost policy's state
+    st = status(url)["policy_state"]
+    assert set(st) >= {"traffic_acceptance", "probes", "probe_payoff", "exploration_share", "step_cost_error"}
     assert value("adaflash_drafter_info", version="0", policy="cost") == 1  # auto: the cost policy
     assert value("adaflash_drafter_swaps") == 0 and value("adaflash_registry_refused_versions") == 0
     assert value("adaflash_trajectory_rows_inexact") == 0  # the builtin engine records every round
