@@ -147,6 +147,7 @@ class LiveView:
             drafter = m.get("adaflash_drafter_info") or {}
             out.append(
                 f"server   {_num(m.get('adaflash_tokens_per_second'), '.1f')} tok/s  tau {_num(m.get('adaflash_tau'), '.2f')}"
+                f"  drafted {_num(m.get('adaflash_drafted_round_share'), '.0%')}"
                 f"  drafter v{drafter.get('version', '?')} ({drafter.get('policy', '?')})"
                 f"  swaps {_num(m.get('adaflash_drafter_swaps_total'), '.0f')}"
                 f"  running {_num(m.get('adaflash_running_requests'), '.0f')}  queue {_num(m.get('adaflash_queue_depth'), '.0f')}"

@@ -192,7 +192,7 @@ def test_whole_loop_until_a_round_lands_then_ctrl_c(tiny_hf_dir, tiny_drafter_di
         < text.index("up: serve: stopped")
         < text.index("up: mlflow: stopped")
     )
-    assert "server   " in text and "tok/s" in text and "registry tiny-drafter:" in text  # the live view
+    assert "server   " in text and "tok/s" in text and "drafted " in text and "registry tiny-drafter:" in text  # the live view
     assert "[train] round 1" in (run_dir / "logs" / "train.log").read_text()
     assert re.search(r"loadgen: \d+ requests in", (run_dir / "logs" / "loadgen.log").read_text())  # drained, summarised
     rows = (run_dir / "loadgen.jsonl").read_text().splitlines()
