@@ -126,6 +126,12 @@ class RequestState:
         return feats
 
     @property
+    def budget(self) -> int:
+        """Drafts that could still be committed (a round commits them and one more token): none is verified past
+        max_new_tokens."""
+        return self.req.max_new_tokens - len(self.out) - 1
+
+    @property
     def tau(self) -> float:
         return (len(self.out) - 1) / len(self.rounds) if self.rounds else 1.0
 
@@ -143,7 +149,7 @@ class _Plan:
     kind: str  # "tree" (token tree), "lookup" (verify `chain` instead of drafting), "draft" (a drafter chain), "plain",
     # "prefill" (admitted this step: its prompt rides in the step's forward, which gives its first token)
     chain: list[int]  # prompt-lookup proposal ([] = none); a tree grafts it in
-    budget: int  # drafts that could still be committed: max_new_tokens - len(out) - 1
+    budget: int  # drafts that could still be committed (RequestState.budget)
     verify_len: int = 1  # tokens verified incl. the anchor
     pred: float = float("nan")  # length-head prediction
     hidden: torch.Tensor | None = None  # [L, H] drafter block states
@@ -506,7 +512,7 @@ class Engine:
         its lookup chain grafted in); otherwise a lookup chain replaces drafting, or the drafter drafts."""
         if not st.admitted:
             return _Plan(st, "prefill", [], 0, verify_len=len(st.req.prompt_ids))
-        budget = st.req.max_new_tokens - len(st.out) - 1  # drafts that could still be committed
+        budget = st.budget
         tree = self.tree > 0 and st.gen is None
         chain = []
         if self.lookup:

@@ -55,10 +55,9 @@ LABEL_BATCH = 32  # labels the acceptance models gather before a refit
 
 
 def room(states, n_pos: int) -> np.ndarray:
-    """[R, J] bool: the block positions 1..J each request can still commit (drafts beyond max_new_tokens are
-    never verified, `Engine._plan`'s budget): a plan counts no tokens there, and a request at its last token
-    is no probe."""
-    budget = np.array([s.req.max_new_tokens - len(s.out) - 1 for s in states], dtype=np.int64)  # [R]
+    """[R, J] bool: the block positions 1..J each request can still commit (`RequestState.budget`: drafts beyond
+    max_new_tokens are never verified): a plan counts no tokens there, and a request at its last token is no probe."""
+    budget = np.array([s.budget for s in states], dtype=np.int64)  # [R]
     return np.arange(n_pos)[None] < budget[:, None]
 
 
@@ -509,7 +508,7 @@ class CostPolicy(VerifyPolicy):
         plainly decoding requests of the batch into drafting at a fraction of their contexts' cost
         (MT-Bench after GSM8K at c=8: 8 of 8 requests extending ~250 tokens each for 1.1 tokens expected,
         a step twice as long as a plain one)."""
-        left = np.array([float(max(1, s.req.max_new_tokens - len(s.out))) for s in states])  # [R]
+        left = np.array([float(max(1, s.budget + 1)) for s in states])  # [R] tokens to go
         horizon = np.maximum(left / (1.0 + cum.sum(-1)), 1.0)  # [R] drafted steps left at the expected tokens a step
         idle = np.array([self.skipped.get(i, 0) > 0 for i in ids])  # [R] decoded plainly at its last plan
         return np.where(idle, extend_s, extend_s / horizon)

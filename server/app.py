@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager, contextmanager
 import uvicorn
 from adaflash.server import protocol as P
 from adaflash.server.config import ServeConfig
-from adaflash.server.metrics import ServerMetrics, policy_state
+from adaflash.server.metrics import ServerMetrics
 from adaflash.server.runner import EngineRunner, Handle, NotAccepting, Outcome, QueueFull
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
@@ -261,7 +261,7 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
             out.update(
                 drafter_version=e.version,
                 policy=e.policy.name,
-                policy_state={name: value if value == value else None for name, _, _, value in policy_state(e)},  # NaN: none yet
+                policy_state={name: value if value == value else None for name, _, _, value in e.policy.state()},  # NaN: none yet
                 block_size=e.k_blk,
                 queue_depth=r.queue_depth,
                 max_queued=r.max_queued,

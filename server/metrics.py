@@ -13,12 +13,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
-def policy_state(engine) -> list[tuple[str, str, str, float]]:
-    """The serving policy's learnt state (`VerifyPolicy.state`); a stock engine's policy reports none."""
-    state = getattr(engine.policy, "state", None)
-    return state() if state is not None else []
-
-
 class _Collector:
     def __init__(self, state):
         self.state = state  # app.ServerState: runner, swapper, ready
@@ -80,7 +74,7 @@ class _Collector:
             ("adaflash_running_requests", "requests in the running batch", runner.running),
         ]:
             yield GaugeMetricFamily(name, doc, value=float("nan") if value is None else value)
-        for name, kind, doc, value in policy_state(engine):
+        for name, kind, doc, value in engine.policy.state():
             yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(f"adaflash_policy_{name}", doc, value=value)
         guard = st.guard
         if guard is not None:

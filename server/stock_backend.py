@@ -91,6 +91,10 @@ def free_port() -> int:
 class _Policy:
     name: str
 
+    def state(self) -> list:
+        """What the policy learnt (`VerifyPolicy.state`): the stock engine chooses, nothing to report."""
+        return []
+
 
 class StockEngine(abc.ABC):
     """The EngineRunner's engine surface over a ChildServer (one streaming HTTP request per request)."""
