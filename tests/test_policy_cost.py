@@ -605,6 +605,31 @@ def test_skipped_requests_are_probed_with_backoff():
     assert sum(first) == 4 and all(first[:4]) and not any(first[8:])  # a probe step takes one request in 8, the longest skipped
 
 
+def test_a_probe_drafts_the_probed_request_alone():
+    """A probe step pays a drafter pass for the probed request; requests the plan leaves undrafted do not join
+    it, though in marginal prices (the pass already paid) their drafts would: measured, such joiners cost more
+    than they committed (docs/benchmarks.md, "Where nothing pays")."""
+    import math
+
+    def batch(p: float, steps: int) -> tuple[CostPolicy, list]:
+        policy = CostPolicy(staircase_cost(), 16)
+        policy.prior = AcceptanceModel([math.log(p / (1 - p)), 0.0, 0.0], prior=1e6)  # P = p at every position
+        policy.explore = float("inf")
+        st = [RequestState(Request(f"r{i}", [1, 2, 3], 64), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
+        for s in st:
+            policy.skipped[s.req.request_id] = 1  # each decoded plainly at its last plan
+        policy.skipped["r0"] = 40  # due for a probe
+        policy.steps = steps  # select counts this step: a probe step where it is a multiple of PROBE_SYNC
+        return policy, st
+
+    policy, st = batch(0.15, 4)
+    assert not any(policy.select(st))  # no probe step: drafting does not pay at P = 0.15
+    policy, st = batch(0.15, 3)
+    assert policy.select(st) == [True] + [False] * 7 and policy.forced == {"r0"}  # the probe alone (all 8 joined it before)
+    policy, st = batch(0.3, 3)
+    assert all(policy.select(st))  # where the plan drafts them anyway, they still draft beside the probe
+
+
 def test_probes_spend_at_most_their_share_of_the_time():
     """Where drafting never pays, probes cost at most EXPLORE of the step time (and one probe's worth):
     a request that must first extend its drafter cache with 400 tokens is probed less often."""
