@@ -719,6 +719,61 @@ def test_undrafted_batch_skips_planning_without_changing_a_decision():
     assert slow[2] == 200 and fast[2] < 200 * 2 // PROBE_SYNC  # planned on probe steps, the step after a probe and batch changes only
 
 
+def test_a_plain_plan_holds_through_batch_changes_until_labels_or_a_smaller_batch():
+    """Where nothing pays, a batch whose requests come and go (one finishes, the next joins: its prefill step,
+    then its first round) is not planned at every change: the plain plan holds until a round is labelled,
+    the batch shrinks, or a probe step can afford a probe. The picks, probes and back-offs stay those of
+    planning every step."""
+    from adaflash.policy_cost import PROBE_SYNC
+
+    def run(plan_every_step: bool, shrink_at: int = 10**9) -> tuple[list, dict, int, CostPolicy]:
+        policy = CostPolicy(staircase_cost(), 16)
+        policy.prior = AcceptanceModel([-6.0, 0.0, 0.0], prior=1e6)  # drafting never pays
+        st = [RequestState(Request(f"r{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(80)]
+        planned = 0
+        real = CostPolicy._priced
+
+        def priced(secs):
+            nonlocal planned
+            planned += 1
+            return real(policy, secs)
+
+        policy._priced = priced
+        picks = []
+        for step in range(200):
+            if plan_every_step:
+                policy._last = None
+            first = step // 3  # a request leaves and a new one joins every third step
+            batch = st[first : first + (8 if step < shrink_at else 6)]
+            picks.append(policy.select(batch))
+        return picks, dict(policy.skipped), planned, policy
+
+    held, every = run(False), run(True)
+    assert held[0] == every[0] and {i: held[1][i] for i in every[1]} == every[1]  # (requests that left are forgotten at the next plan)
+    assert any(any(p) for p in held[0])  # probes still happen
+    assert every[2] == 200 and held[2] < 200 // PROBE_SYNC + 2 * held[3].probes  # probe steps and the step after a probe
+
+    policy = held[3]
+    batch = [RequestState(Request(f"n{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(9)]
+    count = []
+    real = CostPolicy._priced
+    policy._priced = lambda secs: (count.append(1), real(policy, secs))[1]
+
+    def select(states) -> int:
+        """-> full plans made by a select on a step that is no probe step"""
+        before, policy.steps = len(count), 4 * (policy.steps // 4 + 1)  # select adds 1: no probe step
+        assert not any(policy.select(states))
+        return len(count) - before
+
+    policy._last = None
+    assert select(batch[:8]) == 1
+    assert select(batch[1:9]) == 0  # one request left, another joined: held
+    assert select(batch[:7]) == 1  # a smaller batch: planned again
+    assert select(batch[1:8]) == 0
+    policy.labelled += 1  # a round was labelled since
+    assert select(batch[2:9]) == 1
+
+
 def test_solve_small_matches_torch():
     """The step-cost fits solve their 2-4 unknowns in floats: the same solution as torch.linalg.solve."""
     g = torch.Generator().manual_seed(0)
