@@ -158,9 +158,10 @@ def test_hotswap_refuses_bad_versions_and_rolls_back(mlflow_server, target, tiny
     interval = 0.5
     swapper = HotSwapper(reg, engine, target, tmp_path / "cache", interval_s=interval, on_event=events.append).start()
     try:
-        # a request that runs until released: it spans the swap and must keep drafter v1 throughout
+        # a request that runs until released: it spans the swap and must keep drafter v1 throughout (its token
+        # budget far beyond the test's steps: it took 541 tokens before the release on a VM whose steps took ~15 ms, past the 500 it had)
         release = []
-        engine.submit(Request("long", prompt, max_new_tokens=500, stop=lambda out: len(out) if release else None))
+        engine.submit(Request("long", prompt, max_new_tokens=6000, stop=lambda out: len(out) if release else None))
         drive(engine, prompt, lambda: engine.stats["steps"] > 3, 30)
         reg.set_champion(v2)
         drive(engine, prompt, lambda: engine.version == v2, 30, done)
