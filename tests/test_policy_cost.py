@@ -657,7 +657,7 @@ def test_probes_that_keep_finding_nothing_are_spent_less_often(monkeypatch):
     """Where every probe finds drafting still does not pay, the exploration budget shrinks with the
     probes' payoff (to PAYOFF_FLOOR of EXPLORE); so it does where a probe's lucky acceptance makes its
     request draft at one plan and stop (scored at that plan alone, it counted as paid); where probes lead
-    to lasting drafting it keeps its full share."""
+    to lasting drafting it keeps nearly its full share."""
     from adaflash import policy_cost
 
     def run(mode: str) -> tuple[float, int]:
@@ -682,11 +682,32 @@ def test_probes_that_keep_finding_nothing_are_spent_less_often(monkeypatch):
     payoff, late = run("nothing")
     assert payoff < 2 * policy_cost.PAYOFF_FLOOR
     assert run("once")[0] < 2 * policy_cost.PAYOFF_FLOOR
-    assert run("keeps")[0] > 0.9
+    assert run("keeps")[0] > 0.8  # every probe paid (few are made: their requests keep drafting)
     monkeypatch.setattr(policy_cost, "PAYOFF_PLANS", 1)  # scored at the first plan: a lucky probe counts as paid
-    assert run("once")[0] > 0.9
-    monkeypatch.setattr(policy_cost, "PAYOFF_FORGET", 1.0)  # the payoff pinned at 1: probes at their full share
+    assert run("once")[0] > 0.8
+    monkeypatch.setattr(policy_cost, "PAYOFF_FLOOR", 1.0)  # the budget's share never shrinks: probes at their full share
     assert 0 < late < 0.4 * run("nothing")[1]
+
+
+def test_a_fresh_engines_probes_that_find_nothing_soon_spend_less():
+    """A fresh engine knows nothing of whether probes pay: its payoff starts at one in two, five probes that
+    find nothing bring it below a fifth (from 1 falling 10% a probe, it was still 0.59), and three that pay
+    lift it again."""
+    policy = CostPolicy(staircase_cost(), 16)
+    assert policy.payoff == 0.5
+
+    def score(rid: str, paid: bool) -> None:
+        policy._probed[rid] = 0
+        for _ in range(3 if paid else 1):  # paid: drafted at PAYOFF_PLANS plans in a row, unforced
+            policy._score_probes([rid], [paid], [False])
+        assert rid not in policy._probed
+
+    for i in range(5):
+        score(f"a{i}", False)
+    assert policy.payoff < 0.2
+    for i in range(3):
+        score(f"b{i}", True)
+    assert policy.payoff > 0.4
 
 
 def test_undrafted_batch_skips_planning_without_changing_a_decision():
