@@ -710,29 +710,36 @@ def test_a_fresh_engines_probes_that_find_nothing_soon_spend_less():
     assert policy.payoff > 0.4
 
 
+def _never_pays() -> CostPolicy:
+    """A cost policy whose prior model says drafting never pays."""
+    policy = CostPolicy(staircase_cost(), 16)
+    policy.prior = AcceptanceModel([-6.0, 0.0, 0.0], prior=1e6)
+    return policy
+
+
+def _count_plans(policy: CostPolicy) -> list:
+    """-> a list that grows by one with every full plan `policy.select` makes (each prices its verify curve once)."""
+    plans = []
+    real = CostPolicy._priced
+    policy._priced = lambda secs: (plans.append(1), real(policy, secs))[1]
+    return plans
+
+
 def test_undrafted_batch_skips_planning_without_changing_a_decision():
     """Between probe steps a batch where nobody drafted is not planned again (the policy's work stays off
     the step where drafting does not pay): the same picks, probes and back-offs as planning every step."""
     from adaflash.policy_cost import PROBE_SYNC
 
     def run(plan_every_step: bool) -> tuple[list, dict, int]:
-        policy = CostPolicy(staircase_cost(), 16)
-        policy.prior = AcceptanceModel([-6.0, 0.0, 0.0], prior=1e6)  # drafting never pays
+        policy = _never_pays()
         st = [RequestState(Request(f"r{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
-        picks, planned = [], 0
-        real = CostPolicy._priced
-        policy._priced = lambda secs: (planned_inc(), real(policy, secs))[1]  # counts full plans
-
-        def planned_inc():
-            nonlocal planned
-            planned += 1
-
+        picks, planned = [], _count_plans(policy)
         for step in range(200):
             if plan_every_step:
                 policy._last = None
             batch = st[: 8 if step < 120 else 6]  # two requests finish
             picks.append(policy.select(batch))
-        return picks, dict(policy.skipped), planned
+        return picks, dict(policy.skipped), len(planned)
 
     fast, slow = run(False), run(True)
     assert fast[0] == slow[0] and fast[1] == slow[1]
@@ -747,27 +754,16 @@ def test_a_plain_plan_holds_through_batch_changes_until_labels_or_a_smaller_batc
     planning every step."""
     from adaflash.policy_cost import PROBE_SYNC
 
-    def run(plan_every_step: bool, shrink_at: int = 10**9) -> tuple[list, dict, int, CostPolicy]:
-        policy = CostPolicy(staircase_cost(), 16)
-        policy.prior = AcceptanceModel([-6.0, 0.0, 0.0], prior=1e6)  # drafting never pays
+    def run(plan_every_step: bool) -> tuple[list, dict, int, CostPolicy]:
+        policy = _never_pays()
         st = [RequestState(Request(f"r{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(80)]
-        planned = 0
-        real = CostPolicy._priced
-
-        def priced(secs):
-            nonlocal planned
-            planned += 1
-            return real(policy, secs)
-
-        policy._priced = priced
-        picks = []
+        picks, planned = [], _count_plans(policy)
         for step in range(200):
             if plan_every_step:
                 policy._last = None
             first = step // 3  # a request leaves and a new one joins every third step
-            batch = st[first : first + (8 if step < shrink_at else 6)]
-            picks.append(policy.select(batch))
-        return picks, dict(policy.skipped), planned, policy
+            picks.append(policy.select(st[first : first + 8]))
+        return picks, dict(policy.skipped), len(planned), policy
 
     held, every = run(False), run(True)
     assert held[0] == every[0] and {i: held[1][i] for i in every[1]} == every[1]  # (requests that left are forgotten at the next plan)
@@ -776,9 +772,7 @@ def test_a_plain_plan_holds_through_batch_changes_until_labels_or_a_smaller_batc
 
     policy = held[3]
     batch = [RequestState(Request(f"n{i}", [1, 2, 3]), DrafterSlot(None), None, None, torch.Generator()) for i in range(9)]
-    count = []
-    real = CostPolicy._priced
-    policy._priced = lambda secs: (count.append(1), real(policy, secs))[1]
+    count = _count_plans(policy)
 
     def select(states) -> int:
         """-> full plans made by a select on a step that is no probe step"""
