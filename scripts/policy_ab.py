@@ -1,0 +1,94 @@
+"""Where a verify policy loses against a fixed length: bench methods in lockstep, with two diagnostic variants.
+
+    python scripts/policy_ab.py --domain humaneval --concurrency 1 --requests 16 --methods fixed6,cost@fixed6,cost
+    python scripts/policy_ab.py --domain code --concurrency 32 --requests 64 --methods ar,fixed3,cost,cost+fresh
+
+Besides the bench's method names (`adaflash bench --help`):
+  POLICY@fixedK   the policy does all its work (plans, lengths, labels, refits) but every request drafts a block of K
+                  and verifies K tokens, as fixedK does: against fixedK, what the policy's own work costs; against
+                  POLICY, what its choices cost
+  POLICY+fresh    the policy on a step-cost calibration measured now instead of the cached one (`adaflash.cost`):
+                  what a stale calibration costs
+Each run builds fresh engines and runs them in lockstep (`pipelines.bench.lockstep`, the bench's `--interleave`), 48
+new tokens a request, target float32, the committed drafter. Prints per run and method: tok/s of the steady part,
+the ratio to the first method, drafts accepted per round, rounds undrafted, verify lengths; then the mean ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+from pathlib import Path
+
+
+def _as_fixed(policy, k: int) -> None:
+    """Let `policy` do all its work, then draft and verify as fixedK does."""
+    select, lengths = policy.select, policy.lengths
+
+    def fixed_select(states, others=(0, 0)):
+        select(states, others)
+        policy._block = k
+        return [True] * len(states)
+
+    def fixed_lengths(states, hidden, k_blk, logits=None):
+        _, preds = lengths(states, hidden, k_blk, logits)
+        return [min(k, hidden.shape[1])] * len(states), preds
+
+    policy.select, policy.lengths = fixed_select, fixed_lengths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--domain", default="humaneval", help="a prompt-set domain (mtbench and code read the train split)")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=16, help="requests a run (prompts repeated past 32)")
+    ap.add_argument("--methods", default="fixed6,cost@fixed6,cost", help="comma-separated; ratios are to the first")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--prompt-sets", default="runs/prompt-sets", help="built prompt sets (`adaflash prompts`)")
+    args = ap.parse_args()
+
+    from adaflash.pipelines.bench import BenchPrompt, bench_requests, lockstep, make_engine
+    from adaflash.pipelines.prompts import read_prompts
+
+    from adaflash.cost import calibrate
+    from adaflash.drafter import DEFAULT_DRAFTER, load_drafter_and_head
+    from adaflash.target import load_target
+
+    methods = args.methods.split(",")
+    split = "train" if args.domain in ("mtbench", "code") else "eval"
+    target = load_target("smollm2", "float32")
+    drafter, head = load_drafter_and_head(str(DEFAULT_DRAFTER), target, "auto")
+    rows = read_prompts(Path(args.prompt_sets) / f"{split}.parquet", [args.domain], 32)
+    prompts = [BenchPrompt(r.domain, target.encode_chat(r.messages)) for r in rows]
+    prompts = [prompts[i % len(prompts)] for i in range(args.requests)]
+    fresh = calibrate(target.model, drafter) if any(m.endswith("+fresh") for m in methods) else None
+    ratios = collections.defaultdict(list)
+    for run in range(args.runs):
+        engines = {}
+        for m in methods:
+            base, _, fixed = m.removesuffix("+fresh").partition("@fixed")
+            engines[m] = e = make_engine(base, target.model, drafter, head, args.concurrency, target.eos_ids, 512)
+            if m.endswith("+fresh"):
+                e.policy.cost = fresh
+            if fixed:
+                _as_fixed(e.policy, int(fixed))
+        states, _, steady = lockstep(engines, {m: bench_requests(m, prompts, 48) for m in engines}, seed=run)
+        rate = {m: steady[m][0] / steady[m][1] for m in methods}
+        outs = {m: [s.out for s in states[m]] for m in methods}
+        print(f"run {run} (greedy output equal: {all(o == outs[methods[0]] for o in outs.values())})")
+        for m in methods:
+            rounds = [rd for s in states[m] for rd in s.rounds]
+            ratios[m].append(rate[m] / rate[methods[0]])
+            lens = sorted(collections.Counter(rd.verify_len for rd in rounds).items())
+            accepted, undrafted = sum(rd.accepted for rd in rounds) / len(rounds), sum(not rd.draft for rd in rounds) / len(rounds)
+            print(
+                f"  {m:14s} {rate[m]:7.1f} tok/s  {ratios[m][-1]:.4f}x  accepted/round {accepted:.2f}  undrafted {undrafted:.0%}"
+                f"  verify lengths {lens}",
+                flush=True,
+            )
+    print("mean ratios:", ", ".join(f"{m} {statistics.mean(v):.4f}x" for m, v in ratios.items()))
+
+
+if __name__ == "__main__":
+    main()
