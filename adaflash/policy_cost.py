@@ -25,9 +25,8 @@ verified round: the labels are free, accepted positions 1, the first rejected 0,
   the plan would leave undrafted joins a probe's pass;
 - after drafting (`lengths`, `choose_lengths`): adds the drafter's own confidence per position (top-1
   probability over the draft vocabulary) and picks the verify lengths; the drafting cost is spent by
-  then, and each draft is weighed against the engine's recent rate (`CostPolicy.lam`, `_worth`): verified
-  where its expected tokens beat what its seconds yield at that rate. (The length head's block prediction
-  added nothing on held-out rounds where the confidence is known: `adaflash policy-eval`, docs/benchmarks.md.)
+  then. (The length head's block prediction added nothing on held-out rounds where the confidence is
+  known: `adaflash policy-eval`, docs/benchmarks.md.)
 A prompt prefilled in the step is sunk: the choice maximises the rate of the step's decoding part
 (`CostPolicy._decoding`). The step-cost model (adaflash.cost) prices the two passes; what they leave out (the step's other
 work, everything else drafting brings) is learnt from whole steps (`Overrun`): each step's wall time
@@ -54,8 +53,6 @@ PAYOFF_FLOOR = 0.125  # ... times the share of recent probes that paid, never be
 PAYOFF_FORGET = 0.9  # that share: over about the last 10 probes
 PAYOFF_PLANS = 3  # a probe paid where its request then drafted at this many plans in a row, unforced
 LABEL_BATCH = 32  # labels the acceptance models gather before a refit
-RATE_FORGET = 0.98  # the engine's rate (`CostPolicy.lam`): tokens and seconds of about the last 50 decoding steps
-RATE_STEPS = 8  # decoding steps timed before plans are weighed against it (each step's own rate until then)
 
 
 def room(states, n_pos: int) -> np.ndarray:
@@ -77,28 +74,17 @@ def _ranked(values: np.ndarray) -> np.ndarray:
     return np.argsort(-values, kind="stable")
 
 
-def _worth(gain: np.ndarray, secs: np.ndarray, lam: float | None) -> np.ndarray:
-    """What verifying for `gain` expected tokens in `secs` seconds is worth: its own rate gain / secs, or, given the
-    engine's rate lam (tokens/s of its recent decoding steps, `CostPolicy.lam`), gain - lam * secs: the tokens it
-    commits beyond what that time yields at the engine's rate. The engine's throughput (all tokens over all time)
-    grows with the second summed over steps, not with each step's own rate: at concurrency 1 on HumanEval (engine
-    ~100 tokens/s) a round with drafts accepted 0.83, 0.49, 0.29, 0.1 (cumulative) and verify seconds 22.1, 22.2,
-    22.8, 23.0, 23.9 ms peaked at its own 114/s with three drafts and left the 4th, whose 0.1 token for 0.9 ms
-    (111/s) beat the engine's rate."""
-    return gain / secs if lam is None else gain - lam * secs
-
-
-def _best_prefix(values: np.ndarray, secs: np.ndarray, fixed_gain: float, lam: float | None = None) -> tuple[int, float]:
-    """values [M] in the order they are taken, secs [M + 1] step seconds with n of them taken -> the n worth
-    the most (`_worth`), and its rate."""
+def _best_prefix(values: np.ndarray, secs: np.ndarray, fixed_gain: float, start: int = 0) -> tuple[int, float]:
+    """values [M] in the order they are taken, secs [M + 1] step seconds with n of them taken -> the n
+    (at least `start`) with the most expected tokens per second, and that rate."""
     gain = fixed_gain + np.concatenate([[0.0], np.cumsum(values)])  # [M + 1]
-    n = int(_worth(gain, secs, lam).argmax())
-    return n, float(gain[n] / secs[n])
+    rate = gain / secs
+    n = start + int(rate[start:].argmax())
+    return n, float(rate[n])
 
 
-def choose_lengths(cum: np.ndarray, secs: np.ndarray, fixed_gain: float, lam: float | None = None) -> tuple[np.ndarray, float]:
-    """Verify lengths that maximise (fixed_gain + sum_i sum_{j < L_i - 1} cum_ij) / secs[sum_i (L_i - 1)] (or, given
-    the engine's rate lam, that sum less lam * secs: `_worth`).
+def choose_lengths(cum: np.ndarray, secs: np.ndarray, fixed_gain: float) -> tuple[np.ndarray, float]:
+    """Verify lengths that maximise (fixed_gain + sum_i sum_{j < L_i - 1} cum_ij) / secs[sum_i (L_i - 1)].
 
     cum [R, J]: P(the first j drafts all accepted), non-increasing in j; secs [R * J + 1]: the step's
     seconds when n drafts are verified besides every request's anchor (non-decreasing; drafting
@@ -110,7 +96,7 @@ def choose_lengths(cum: np.ndarray, secs: np.ndarray, fixed_gain: float, lam: fl
     r, j = cum.shape
     flat = as_np(cum).reshape(-1)
     order = _ranked(flat)  # [R*J]: ties keep the earlier position
-    n, rate = _best_prefix(flat[order], as_np(secs), fixed_gain, lam)
+    n, rate = _best_prefix(flat[order], as_np(secs), fixed_gain)
     taken = np.zeros(r * j, dtype=bool)
     taken[order[:n]] = True
     return 1 + taken.reshape(r, j).sum(-1), rate
@@ -480,10 +466,6 @@ class CostPolicy(VerifyPolicy):
         # further, through batch changes too (`_holds_plain`)
         self._last: _Kept | None = None
         self.labelled = 0  # verified drafted rounds so far (`observe`): labels move the models a plan reads
-        # the engine's rate: tokens committed and seconds taken by its decoding steps (steps that prefilled a
-        # prompt left out: the plans sink a prompt's cost), both forgetting RATE_FORGET a step (`lam`)
-        self._tokens, self._seconds, self._timed = 0.0, 0.0, 0
-        self._decoding_req, self._accepted = 0, 0  # this step's: requests decoding, drafts accepted
 
     @classmethod
     def for_models(cls, target, drafter) -> "CostPolicy":
@@ -567,17 +549,6 @@ class CostPolicy(VerifyPolicy):
         horizon = np.maximum(left / (1.0 + cum.sum(-1)), 1.0)  # [R] drafted steps left at the expected tokens a step
         idle = np.array([self.skipped.get(i, 0) > 0 for i in ids])  # [R] decoded plainly at its last plan
         return np.where(idle, extend_s, extend_s / horizon)
-
-    @property
-    def lam(self) -> float | None:
-        """Tokens per second of the engine's recent decoding steps, their seconds as the plans priced them (so that
-        a model off by a factor shifts nothing); None before RATE_STEPS of them. The verify lengths (`lengths`,
-        `lookup_lengths`) weigh a draft's seconds at it (`_worth`): a step's own rate verified too little in
-        promising rounds (HumanEval at concurrency 1: 0.952 -> 0.963x `fixed6`, GSM8K at 8: 1.158 -> 1.168x
-        plain, 2 lockstep runs each, all ahead). The plans (`select`) keep their own rate: weighed at the engine's,
-        a fresh engine's first rounds (drafted at the prior's 1/2, accepted well) set the rate above plain
-        decoding's, no request drafted again, and GSM8K at 8 fell from 1.16x to 0.98x plain."""
-        return self._tokens / self._seconds if self._timed >= RATE_STEPS and self._seconds > 0 else None
 
     @property
     def payoff(self) -> float:
@@ -734,7 +705,7 @@ class CostPolicy(VerifyPolicy):
         n_req = len(states) + others
         n_tok, ctx = n_req + self._prompts[1] - self._prompts[0], mean_context(states)
         secs, fixed = self._decoding(self.cost.verify_curve(n_req, n_tok, cum.size, ctx), n_req, n_tok, ctx)
-        lens, _ = choose_lengths(cum, secs, fixed, self.lam)
+        lens, _ = choose_lengths(cum, secs, fixed)
         out = []
         for i, n, x, c in zip(ids, (lens - 1).tolist(), xp, chains):  # x [J, 3]
             refused = self.chain_refused.get(i, 0)
@@ -748,7 +719,6 @@ class CostPolicy(VerifyPolicy):
 
     def observe_lookup(self, states, accepted):
         """Label each verified chain's positions (censored after the first rejection) and refit the chain model."""
-        self._accepted += sum(accepted)
         rows = _labelled(self.chain_pending, states, accepted, self.running_chain, len)  # entries: chain features [J, 3]
         if rows:
             self.chain.update(np.concatenate([x[seen] for x, _, seen in rows]), np.concatenate([y[seen] for _, y, seen in rows]))
@@ -771,7 +741,7 @@ class CostPolicy(VerifyPolicy):
         if secs is None or secs.size <= cum.size:
             ctx = mean_context(states)
             secs, fixed = self._decoding(self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, ctx)), n_req, n_tok, ctx)
-        lens = choose_lengths(cum, secs[: cum.size + 1] + spent, fixed, self.lam)[0]  # [R]
+        lens = choose_lengths(cum, secs[: cum.size + 1] + spent, fixed)[0]  # [R]
         if self.forced:
             lens = np.where([i in self.forced for i in ids], np.maximum(lens, 2), lens)
         for j, i in enumerate(ids):
@@ -783,7 +753,6 @@ class CostPolicy(VerifyPolicy):
         was not verified in a round that accepted every draft it verified, the prior model learns what the
         block model predicted there: so a request whose drafts are never worth verifying stops being
         drafted. Positions after a rejection are not at risk (see the comment below) and left out."""
-        self._accepted += sum(accepted)
         rows = _labelled(self.pending, states, accepted, self.running, lambda p: len(p.p))
         self.labelled += len(rows)
         if rows:
@@ -807,7 +776,6 @@ class CostPolicy(VerifyPolicy):
         c=32: the row coefficient fell 14% over one wave's prefill steps, from the calibration's 0.92 ms a
         row where 32 requests' rows cost 1.0-1.2 ms)."""
         r, n, _, qk = verify
-        self._decoding_req = r - self._prompts[0]
         plain = self.cost.verify(r, n, qk)  # the verification as run: its own model is refitted on every decoding step
         excess = self.cost.draft(draft[0], draft[1], draft[3]) if draft else 0.0
         self._excess = (plain, excess)
@@ -823,14 +791,8 @@ class CostPolicy(VerifyPolicy):
         misses there (a first step's one-off work, hundreds of milliseconds) says nothing about decoding."""
         if self._excess is not None and not self._prompts[0]:
             plain, excess = self._excess
-            priced = plain + self.overrun.o + self.overrun.k * excess  # the step as the plans price it, before the refit
-            err = abs(seconds - priced) / max(seconds, 1e-9)
+            err = abs(seconds - (plain + self.overrun.o + self.overrun.k * excess)) / max(seconds, 1e-9)  # predicted before the refit
             self.step_error = err if self.step_error != self.step_error else 0.98 * self.step_error + 0.02 * err
             over = min(max(seconds - plain, -0.5 * plain), 0.5 * plain + self.overrun.k_max * excess)
             self.overrun.update(excess, over)
-            if self._decoding_req:  # the engine's rate in the plans' seconds (`lam`)
-                self._tokens = RATE_FORGET * self._tokens + self._decoding_req + self._accepted
-                self._seconds = RATE_FORGET * self._seconds + priced
-                self._timed += 1
         self._excess, self._batch, self._secs, self._prompts = None, None, None, (0, 0)
-        self._decoding_req, self._accepted = 0, 0

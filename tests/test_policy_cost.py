@@ -274,59 +274,6 @@ def test_choose_lengths_matches_brute_force(seed):
     assert got == pytest.approx(brute_force(cum, secs, 3), rel=1e-9) and lam == pytest.approx(got)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_choose_lengths_at_the_engines_rate_matches_brute_force(seed):
-    """Given the engine's rate lam, the lengths maximise expected tokens less lam times the step's seconds."""
-    g = torch.Generator().manual_seed(seed)
-    cum = torch.rand(3, 4, generator=g, dtype=torch.float64).cumprod(-1)  # [R, J]
-    secs = 0.05 + 0.01 * torch.arange(13, dtype=torch.float64)  # [R*J + 1]
-    lam = 20.0 + 60.0 * float(torch.rand(1, generator=g))  # tokens/s
-    lens, _ = choose_lengths(cum, secs, 3, lam)
-
-    def worth(ls):
-        return 3 + sum(float(cum[i, :n].sum()) for i, n in enumerate(ls)) - lam * float(secs[sum(ls)])
-
-    best = max(worth(ls) for ls in itertools.product(range(5), repeat=3))
-    assert worth((lens - 1).tolist()) == pytest.approx(best, rel=1e-9)
-
-
-def test_a_round_that_beats_the_engines_rate_verifies_more_than_its_own_rate_would():
-    """One request, drafts accepted 0.9, 0.45 (cumulative) and 0.1; the 3rd draft costs 0.9 ms where the first two
-    cost 0.1 ms each. Its own rate peaks at two drafts (2.35 tokens in 20.2 ms, 116/s; 2.45 in 21.1 ms is 116 as
-    well, the shorter kept), but the 3rd draft's 0.1 tokens for 0.9 ms (111/s) beat an engine running at 80/s: the
-    engine's throughput grows with it. An engine at 150/s leaves it, and one at 1000/s (nothing drafted beats it)
-    verifies the anchor alone."""
-    cum = np.array([[0.9, 0.45, 0.1]])  # [1, 3]
-    secs = np.array([0.020, 0.0201, 0.0202, 0.0211])  # [4]
-    assert choose_lengths(cum, secs, 1.0)[0].tolist() == [3]
-    assert choose_lengths(cum, secs, 1.0, 80.0)[0].tolist() == [4]
-    assert choose_lengths(cum, secs, 1.0, 150.0)[0].tolist() == [3]
-    assert choose_lengths(cum, secs, 1.0, 10000.0)[0].tolist() == [1]
-
-
-def test_the_engines_rate_counts_decoding_steps_in_the_plans_seconds():
-    """`lam`: tokens committed (one per decoding request, plus the drafts accepted) over the steps' seconds as the
-    plans price them, once RATE_STEPS decoding steps are in; a step that prefilled a prompt is left out."""
-    from adaflash.policy_cost import RATE_FORGET, RATE_STEPS
-
-    policy = CostPolicy(linear_cost(), 16)
-    st = [SimpleNamespace(req=SimpleNamespace(request_id=f"r{i}"), rounds=[]) for i in range(2)]
-    tokens = seconds = 0.0
-    for step in range(RATE_STEPS + 1):
-        assert (policy.lam is None) == (step < RATE_STEPS)
-        policy.prompts(1, 100)  # a prompt's step: not counted
-        policy.observe_timing((3, 102, 0.5, 0.0), None)
-        policy.observe(st, [3, 3])
-        policy.observe_step(0.5)
-        policy.observe_timing((2, 2, 0.05, 0.0), None)  # decoding: 2 requests, 1 draft accepted in all
-        policy.observe(st, [1, 0])
-        plain, excess = policy._excess
-        tokens = RATE_FORGET * tokens + 3
-        seconds = RATE_FORGET * seconds + plain + policy.overrun.o + policy.overrun.k * excess  # as priced, not the wall's
-        policy.observe_step(0.07)
-    assert policy.lam == pytest.approx(tokens / seconds, rel=1e-9)
-
-
 def plan(c: StepCost, cum: torch.Tensor, force=None):
     r = cum.shape[0]
     return plan_drafts(cum, c.verify_curve(r, r, cum.numel()), r, c.per_drafted, force)
