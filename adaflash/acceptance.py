@@ -89,6 +89,11 @@ class AcceptanceModel:
         self.batch = batch  # labels gathered before a refit (`update`)
         self._held: list[tuple[np.ndarray, np.ndarray]] = []
 
+    @property
+    def held(self) -> int:
+        """Labels given to `update` and not yet fitted (a refit comes once `batch` are in)."""
+        return sum(len(h[1]) for h in self._held)
+
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Features [..., d] -> P(accepted) [...] (float64)."""
         return _sigmoid(as_np(x) @ self.theta)
@@ -105,7 +110,7 @@ class AcceptanceModel:
         if x.shape[0] == 0:
             return
         self._held.append((as_np(x), as_np(y)))
-        if sum(len(h[1]) for h in self._held) < self.batch:  # refit once `batch` labels are in: a refit costs the
+        if self.held < self.batch:  # refit once `batch` labels are in: a refit costs the
             return  # same for 15 labels as for 60, and at concurrency 1 a step brings one round's
         xs, ys = (np.concatenate(a) for a in zip(*self._held))  # [n, d], [n]
         self._held = []

@@ -397,26 +397,43 @@ class _Pending:
     p: np.ndarray  # [J] the block model's predictions
 
 
-def _labelled(pending: dict, states, accepted, running: Running, n_pos) -> list[tuple]:
-    """The verified rounds of `states` with an entry in `pending` (popped), their n_pos(entry) positions
-    labelled by round_labels -> [(entry, label [J], seen [J])]; the rounds that verified drafts update
-    `running`. What observe and observe_lookup share."""
+def _verified(pending: dict, states, accepted, running: Running, n_pos) -> list[tuple[object, int, int, int]]:
+    """The verified rounds of `states` with an entry in `pending` (popped) -> [(entry, drafts accepted, drafts
+    verified, n_pos(entry) positions)], not labelled yet (`_labels`); the rounds that verified drafts update
+    `running` (a round that accepted a of d verified drafts observed min(a + 1, d) positions, all accepted but
+    a rejection). What observe and observe_lookup share."""
     rows, ids, acc_n, seen_n = [], [], [], []
     for s, a in zip(states, accepted):
         rid = s.req.request_id
         entry = pending.pop(rid, None)
         if entry is None:
             continue
-        drafts = len(s.rounds[-1].draft) if s.rounds else 0
-        y, seen = round_labels([a], [drafts], n_pos(entry))  # [1, J]
-        rows.append((entry, y[0], seen[0]))
+        drafts, j = len(s.rounds[-1].draft) if s.rounds else 0, n_pos(entry)
+        rows.append((entry, a, drafts, j))
         if drafts:
             ids.append(rid)
-            acc_n.append(float(y[seen].sum()))
-            seen_n.append(float(seen.sum()))
+            acc_n.append(float(min(a, drafts, j)))
+            seen_n.append(float(min(a + 1, drafts, j)))
     if ids:
         running.update(ids, acc_n, seen_n)
     return rows
+
+
+def _seen(a: int, d: int, j: int) -> int:
+    """Positions a round that accepted a of d verified drafts (of a J-position block) labels: to the first rejection."""
+    return min(a + 1, d, j)
+
+
+def _at_risk(a: int, d: int, j: int) -> int:
+    """Positions such a round teaches the prior model (`CostPolicy.observe`): those seen where it saw a rejection,
+    all J where not."""
+    return _seen(a, d, j) if a < min(d, j) else j
+
+
+def _labels(rows) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of `_verified` -> (label [n], seen [n]) over their positions in order (`round_labels`)."""
+    out = [round_labels([a], [d], j) for _, a, d, j in rows]  # ([1, J], [1, J]) each
+    return np.concatenate([y[0] for y, _ in out]), np.concatenate([s[0] for _, s in out])
 
 
 class CostPolicy(VerifyPolicy):
@@ -466,6 +483,12 @@ class CostPolicy(VerifyPolicy):
         # further, through batch changes too (`_holds_plain`)
         self._last: _Kept | None = None
         self.labelled = 0  # verified drafted rounds so far (`observe`): labels move the models a plan reads
+        # verified rounds not labelled yet (`_verified` rows): labelling them (NumPy) waits until one of the models they
+        # go to would refit, as each holds its labels until LABEL_BATCH are in. At concurrency 1 that is every few
+        # steps, and labelling each round on the step it was verified was a quarter of the policy's time there (~0.15 ms
+        # a step of ~25, each NumPy call slowed by caches the target's forward had emptied)
+        self._unlabelled: list[tuple] = []
+        self._unlabelled_chains: list[tuple] = []
 
     @classmethod
     def for_models(cls, target, drafter) -> "CostPolicy":
@@ -719,9 +742,13 @@ class CostPolicy(VerifyPolicy):
 
     def observe_lookup(self, states, accepted):
         """Label each verified chain's positions (censored after the first rejection) and refit the chain model."""
-        rows = _labelled(self.chain_pending, states, accepted, self.running_chain, len)  # entries: chain features [J, 3]
-        if rows:
-            self.chain.update(np.concatenate([x[seen] for x, _, seen in rows]), np.concatenate([y[seen] for _, y, seen in rows]))
+        self._unlabelled_chains += _verified(self.chain_pending, states, accepted, self.running_chain, len)  # entries: features [J, 3]
+        rows = self._unlabelled_chains
+        if not rows or self.chain.held + sum(_seen(*r[1:]) for r in rows) < self.chain.batch:
+            return  # the model would only hold them
+        self._unlabelled_chains = []
+        y, seen = _labels(rows)  # [n], [n]
+        self.chain.update(np.concatenate([x for x, *_ in rows])[seen], y[seen])
 
     # -- after drafting
     def lengths(self, states, hidden, k_blk, logits=None):
@@ -749,24 +776,35 @@ class CostPolicy(VerifyPolicy):
         return lens.tolist(), [float("nan")] * len(states)
 
     def observe(self, states, accepted):
-        """Label each verified round's positions and refit both acceptance models. Where a drafted position
+        """Label each verified round's positions and refit both acceptance models (the rounds kept unlabelled until
+        one of the models would refit on them: `_unlabelled`, `_hand_over`). Where a drafted position
         was not verified in a round that accepted every draft it verified, the prior model learns what the
         block model predicted there: so a request whose drafts are never worth verifying stops being
         drafted. Positions after a rejection are not at risk (see the comment below) and left out."""
-        rows = _labelled(self.pending, states, accepted, self.running, lambda p: len(p.p))
-        self.labelled += len(rows)
-        if rows:
-            x = np.concatenate([p.x for p, _, _ in rows])  # [n, 4]
-            seen = np.concatenate([s for _, _, s in rows])  # [n]
-            y = np.concatenate([y for _, y, _ in rows])  # [n]
-            self.block.update(x[seen], y[seen])
-            # positions after a rejection are left out: their condition (every earlier draft accepted) failed,
-            # so they say nothing about P(accepted | earlier accepted), and the block model's guess there is
-            # an extrapolation (a drafter rejected at position 1 every round taught the prior that later
-            # positions pass, and it kept drafting)
-            risk = np.concatenate([s | ~(s & (y_ == 0)).any() for _, y_, s in rows])  # [n]
-            p_block = np.concatenate([p.p for p, _, _ in rows])  # [n]
-            self.prior.update(x[risk, :3], np.where(seen, y, p_block)[risk])
+        new = _verified(self.pending, states, accepted, self.running, lambda p: len(p.p))
+        self.labelled += len(new)
+        self._unlabelled += new
+        rows = self._unlabelled
+        if rows and (
+            self.block.held + sum(_seen(*r[1:]) for r in rows) >= self.block.batch
+            or self.prior.held + sum(_at_risk(*r[1:]) for r in rows) >= self.prior.batch
+        ):  # a model would refit on them: until then both would only hold them
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Label the rounds `observe` kept and hand them to both acceptance models."""
+        rows, self._unlabelled = self._unlabelled, []
+        x = np.concatenate([p.x for p, *_ in rows])  # [n, 4]
+        y, seen = _labels(rows)  # [n], [n]
+        self.block.update(x[seen], y[seen])
+        # positions after a rejection are left out: their condition (every earlier draft accepted) failed,
+        # so they say nothing about P(accepted | earlier accepted), and the block model's guess there is
+        # an extrapolation (a drafter rejected at position 1 every round taught the prior that later
+        # positions pass, and it kept drafting)
+        rejected = np.concatenate([np.full(j, a < min(d, j)) for _, a, d, j in rows])  # [n]: the round saw a rejection
+        risk = seen | ~rejected  # [n]
+        p_block = np.concatenate([p.p for p, *_ in rows])  # [n]
+        self.prior.update(x[risk, :3], np.where(seen, y, p_block)[risk])
 
     def observe_timing(self, verify, draft):
         """Refit the step-cost model on the step just run, after noting what it predicted drafting adds

@@ -274,6 +274,44 @@ def test_choose_lengths_matches_brute_force(seed):
     assert got == pytest.approx(brute_force(cum, secs, 3), rel=1e-9) and lam == pytest.approx(got)
 
 
+def test_labels_wait_for_a_refit_and_the_models_learn_as_if_labelled_every_round():
+    """`observe` labels verified rounds only once one of the acceptance models would refit (each holds labels until
+    LABEL_BATCH are in); the models must come out as if every round were labelled and handed over on its step, the
+    prior model learning the block model's P at unverified positions of rounds that saw no rejection."""
+    from adaflash.policy_cost import _Pending
+
+    rng = np.random.default_rng(0)
+    policy = CostPolicy(linear_cost(), 16)
+    block, prior = AcceptanceModel([0.0, 0.0, 0.0, 1.0], batch=32), AcceptanceModel([0.0, 0.0, 1.0], batch=32)
+    waited = False
+    for step in range(60):
+        states, accepted, rounds = [], [], []
+        for i in range(int(rng.integers(1, 4))):
+            j = int(rng.integers(2, 8))
+            d = int(rng.integers(0, j + 1))
+            a = int(rng.integers(0, d + 1))
+            x, p = rng.normal(size=(j, 4)), rng.uniform(0.05, 0.95, size=j)
+            rid = f"s{step}r{i}"
+            policy.pending[rid] = _Pending(x, p)
+            states.append(SimpleNamespace(req=SimpleNamespace(request_id=rid), rounds=[SimpleNamespace(draft=[0] * d)]))
+            accepted.append(a)
+            rounds.append((x, p, a, d))
+        policy.observe(states, accepted)
+        waited |= bool(policy._unlabelled)
+        xs, ys, ps, seens, risks = [], [], [], [], []
+        for x, p, a, d in rounds:  # the reference: every round labelled and handed over on its step
+            y, seen = round_labels([a], [d], len(p))
+            y, seen = y[0], seen[0]
+            xs.append(x), ys.append(y), ps.append(p), seens.append(seen)
+            risks.append(seen | ~(seen & (y == 0)).any())
+        x, y, p, seen, risk = (np.concatenate(v) for v in (xs, ys, ps, seens, risks))
+        block.update(x[seen], y[seen])
+        prior.update(x[risk, :3], np.where(seen, y, p)[risk])
+        np.testing.assert_allclose(policy.block.theta, block.theta, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(policy.prior.theta, prior.theta, rtol=1e-12, atol=1e-12)
+    assert waited and not np.allclose(prior.theta, [0.0, 0.0, 1.0])  # rounds waited, and refits happened
+
+
 def plan(c: StepCost, cum: torch.Tensor, force=None):
     r = cum.shape[0]
     return plan_drafts(cum, c.verify_curve(r, r, cum.numel()), r, c.per_drafted, force)
@@ -1115,6 +1153,8 @@ def test_the_prior_model_learns_only_positions_at_risk():
     state = lambda rid: NS(req=NS(request_id=rid), rounds=[NS(draft=[0] * 4)])  # noqa: E731  (4 drafts verified)
     pol.pending = {"a": _Pending(x, np.full(15, 0.7)), "b": _Pending(x, np.full(15, 0.7))}
     pol.observe([state("a"), state("b")], [1, 4])  # a: rejected at position 2; b: all 4 accepted
+    assert not pol.block._held and not pol.prior._held  # labelled once a model would refit on them
+    pol._hand_over()
     ((xb, yb),) = pol.block._held  # seen labels only
     assert yb.tolist() == [1.0, 0.0] + [1.0] * 4
     ((xp, yp),) = pol.prior._held
