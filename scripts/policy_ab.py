@@ -7,6 +7,9 @@ Besides the bench's method names (`adaflash bench --help`):
   POLICY@fixedK   the policy does all its work (plans, lengths, labels, refits) but every request drafts a block of K
                   and verifies K tokens, as fixedK does: against fixedK, what the policy's own work costs; against
                   POLICY, what its choices cost
+  POLICY@blockK   every request drafts a block of K (the plan's choice overridden), the policy picks the verify
+                  lengths: against POLICY, what its plans (whether to draft, the block length) cost
+  POLICY+slackN   the plans draft blocks N positions beyond their best instead of 1 (`CostPolicy.slack`)
   POLICY+fresh    the policy on a step-cost calibration measured now instead of the cached one (`adaflash.cost`):
                   what a stale calibration costs
 Each run builds fresh engines and runs them in lockstep (`pipelines.bench.lockstep`, the bench's `--interleave`), 48
@@ -22,8 +25,9 @@ import statistics
 from pathlib import Path
 
 
-def _as_fixed(policy, k: int) -> None:
-    """Let `policy` do all its work, then draft and verify as fixedK does."""
+def _as_fixed(policy, k: int, lengths_too: bool = True) -> None:
+    """Let `policy` do all its work, then draft every request at a block of K (and verify K tokens, as fixedK does,
+    where `lengths_too`)."""
     select, lengths = policy.select, policy.lengths
 
     def fixed_select(states, others=(0, 0)):
@@ -35,7 +39,9 @@ def _as_fixed(policy, k: int) -> None:
         _, preds = lengths(states, hidden, k_blk, logits)
         return [min(k, hidden.shape[1])] * len(states), preds
 
-    policy.select, policy.lengths = fixed_select, fixed_lengths
+    policy.select = fixed_select
+    if lengths_too:
+        policy.lengths = fixed_lengths
 
 
 def main() -> None:
@@ -67,12 +73,16 @@ def main() -> None:
     for run in range(args.runs):
         engines = {}
         for m in methods:
-            base, _, fixed = m.removesuffix("+fresh").partition("@fixed")
+            name, _, slack = m.removesuffix("+fresh").partition("+slack")
+            base, _, fixed = name.partition("@fixed")
+            base, _, block = base.partition("@block")
             engines[m] = e = make_engine(base, target.model, drafter, head, args.concurrency, target.eos_ids, 512)
             if m.endswith("+fresh"):
                 e.policy.cost = fresh
-            if fixed:
-                _as_fixed(e.policy, int(fixed))
+            if slack:
+                e.policy.slack = int(slack)
+            if fixed or block:
+                _as_fixed(e.policy, int(fixed or block), lengths_too=bool(fixed))
         states, _, steady = lockstep(engines, {m: bench_requests(m, prompts, 48) for m in engines}, seed=run)
         rate = {m: steady[m][0] / steady[m][1] for m in methods}
         outs = {m: [s.out for s in states[m]] for m in methods}
