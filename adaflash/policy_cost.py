@@ -413,7 +413,7 @@ def _verified(pending: dict, states, accepted, running: Running, n_pos) -> list[
         if drafts:
             ids.append(rid)
             acc_n.append(float(min(a, drafts, j)))
-            seen_n.append(float(min(a + 1, drafts, j)))
+            seen_n.append(float(_seen(a, drafts, j)))
     if ids:
         running.update(ids, acc_n, seen_n)
     return rows
@@ -801,8 +801,7 @@ class CostPolicy(VerifyPolicy):
         # so they say nothing about P(accepted | earlier accepted), and the block model's guess there is
         # an extrapolation (a drafter rejected at position 1 every round taught the prior that later
         # positions pass, and it kept drafting)
-        rejected = np.concatenate([np.full(j, a < min(d, j)) for _, a, d, j in rows])  # [n]: the round saw a rejection
-        risk = seen | ~rejected  # [n]
+        risk = np.concatenate([np.arange(j) < _at_risk(a, d, j) for _, a, d, j in rows])  # [n]: a prefix of each round
         p_block = np.concatenate([p.p for p, *_ in rows])  # [n]
         self.prior.update(x[risk, :3], np.where(seen, y, p_block)[risk])
 

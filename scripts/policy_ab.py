@@ -1,4 +1,4 @@
-"""Where a verify policy loses against a fixed length: bench methods in lockstep, with two diagnostic variants.
+"""Where a verify policy loses against a fixed length: bench methods in lockstep, with four diagnostic variants.
 
     python scripts/policy_ab.py --domain humaneval --concurrency 1 --requests 16 --methods fixed6,cost@fixed6,cost
     python scripts/policy_ab.py --domain code --concurrency 32 --requests 64 --methods ar,fixed3,cost,cost+fresh
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16, help="requests a run (prompts repeated past 32)")
     ap.add_argument("--methods", default="fixed6,cost@fixed6,cost", help="comma-separated; ratios are to the first")
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--prompt-sets", default="runs/prompt-sets", help="built prompt sets (`adaflash prompts`)")
+    ap.add_argument("--prompt-sets", default="runs/prompt-sets", help="train/eval.parquet as `adaflash bench` builds them")
     args = ap.parse_args()
 
     from adaflash.pipelines.bench import BenchPrompt, bench_requests, lockstep, make_engine
