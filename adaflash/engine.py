@@ -75,6 +75,7 @@ class Request:
     # own seeded sample token for token, whatever the verify lengths, batch or drafter (spec: seeded sampling)
     domain: str | None = None
     stop: Callable[[list[int]], int | None] | None = None  # output ids -> keep this many and stop, or None
+    ignore_eos: bool = False  # run to max_new_tokens past EOS (fixed-length benchmarks; vLLM's and SGLang's flag)
 
 
 @dataclass
@@ -468,10 +469,11 @@ class Engine:
         return new  # prefilled in this step's forward, beside the running requests' verify tokens (_speculate)
 
     def _commit(self, st: RequestState, tokens: list[int]) -> None:
-        """Append tokens, applying EOS / max_new_tokens / custom stop; mark finished."""
+        """Append tokens, applying EOS (unless ignored) / max_new_tokens / custom stop; mark finished."""
+        eos = () if st.req.ignore_eos else self.eos
         for t in tokens:
             st.out.append(t)
-            if t in self.eos:
+            if t in eos:
                 st.finish_reason = "stop"
                 break
             if len(st.out) >= st.req.max_new_tokens:

@@ -309,6 +309,7 @@ def create_app(cfg: ServeConfig, api_key: str | None = None, target=None, on_loa
             params.seed,
             params.domain,
             stop=P.stop_rule(decode, params.stop) if params.stop else None,
+            ignore_eos=params.ignore_eos,
         )
         handle = Handle(req, asyncio.get_running_loop(), params.stream)
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 ROLES = ("system", "developer", "user", "assistant")
-COMMON = {"model", "max_tokens", "temperature", "n", "stream", "stream_options", "stop", "seed", "metadata", "user"}
+COMMON = {"model", "max_tokens", "temperature", "n", "stream", "stream_options", "stop", "seed", "metadata", "user", "ignore_eos"}
 # Parameters accepted only at their neutral value, so clients that always send them keep working.
 NEUTRAL = {
     "top_p": (1, 1.0, None),
@@ -49,6 +49,7 @@ def request_schema(chat: bool) -> dict:
         "seed": nullable("integer", minimum=-(2**63), maximum=2**63 - 1),
         "metadata": nullable("object", additionalProperties={"type": "string"}),
         "user": nullable("string"),
+        "ignore_eos": nullable("boolean"),
         **{k: {"enum": list(v)} for k, v in NEUTRAL.items()},
     }
     if chat:
@@ -118,6 +119,7 @@ class GenParams:
     stream: bool = False
     include_usage: bool = False
     domain: str | None = None
+    ignore_eos: bool = False  # vLLM's and SGLang's extension: generate max_tokens past EOS
 
 
 @dataclass
@@ -217,6 +219,8 @@ def parse_request(body: dict, chat: bool, limits: Limits, encode_chat: Callable,
         raise bad('\'metadata\' must be an object of string values, e.g. {"domain": "math"}', "metadata")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
+    if body.get("ignore_eos") is not None and not isinstance(body["ignore_eos"], bool):
+        raise bad("'ignore_eos' must be a boolean", "ignore_eos")
 
     ids = _prompt_ids(body, chat, limits, encode_chat, encode_text)
     room = limits.max_model_len - len(ids) - limits.block
@@ -250,6 +254,7 @@ def parse_request(body: dict, chat: bool, limits: Limits, encode_chat: Callable,
         bool(body.get("stream")),
         bool(opts.get("include_usage")),
         meta.get("domain"),
+        bool(body.get("ignore_eos")),
     )
 
 

@@ -246,6 +246,7 @@ class SGLangEngine(StockEngine):
     def _request(self, st) -> tuple[str | None, list[Round] | None]:
         req = st.req
         params = {"max_new_tokens": req.max_new_tokens, "temperature": req.temperature, "skip_special_tokens": False}
+        params["ignore_eos"] = req.ignore_eos
         params["no_stop_trim"] = True  # keep the stop token: it was committed by a verify step
         body = {"input_ids": list(req.prompt_ids), "sampling_params": params, "stream": True}
         finish, meta, chunks = None, {}, []

@@ -200,6 +200,7 @@ class VLLMEngine(StockEngine):
             "max_tokens": req.max_new_tokens,
             "temperature": req.temperature,
             "seed": req.seed,
+            "ignore_eos": req.ignore_eos,
             "stream": True,
             "return_token_ids": True,
             "stream_options": {"include_usage": True},

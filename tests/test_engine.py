@@ -121,6 +121,20 @@ def test_stop_callback_and_context_limit():
         Engine(target, drafter, FixedPolicy(), eos_ids=[]).submit(Request("b", [1] * 8190, 10))
 
 
+def test_ignore_eos_runs_to_max_tokens_losslessly():
+    """ignore_eos (the API's fixed-length option) commits EOS like any token and stops only at max_new_tokens;
+    the output is still the target's own greedy decoding, now without an EOS stop."""
+    target = tiny_target(6)
+    drafter = tiny_drafter(target, 6)
+    reqs = [r for r in make_requests(12, 1) if len(greedy_reference(target, r.prompt_ids, r.max_new_tokens, [5])) < r.max_new_tokens]
+    assert reqs  # some answers do hit EOS early, so the flag is exercised
+    for r in reqs:
+        r.ignore_eos = True
+    for s in Engine(target, drafter, FixedPolicy(), eos_ids=[5], max_batch=3).run(reqs):
+        assert s.out == greedy_reference(target, s.req.prompt_ids, s.req.max_new_tokens, []) and s.finish_reason == "length"
+        assert 5 in s.out
+
+
 def test_swap_between_steps_keeps_running_requests_lossless():
     """A swap mid-generation: running requests keep their drafter, new ones get the new one; greedy
     output still equals plain decoding and no request fails."""

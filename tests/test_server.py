@@ -56,6 +56,7 @@ CASES = [  # (path, body, status, param or code expected in the error)
     ("/v1/chat/completions", {**CHAT, "stop": 3}, 400, "stop"),
     ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/chat/completions", {**CHAT, "metadata": {"domain": 1}}, 400, "metadata"),
+    ("/v1/chat/completions", {**CHAT, "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model_not_found"),
     ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "model"}, 400, "model"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
@@ -291,8 +292,9 @@ def test_sigterm_drains_then_flushes(tiny_hf_dir, tiny_drafter_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     buffer_dir = tmp_path / "buffer"
-    # grace 2 s: the tiny model's greedy "long" answer ends with EOS well before 3000 tokens, and one fast
-    # CI run finished it inside a 5 s grace (nothing left to cancel); 40 "short" tokens need a fraction of 2 s
+    # grace 2 s, and the "long" stream ignores EOS: the tiny model's greedy answer ends with EOS after ~200
+    # tokens, which one fast CI run finished in 0.5 s (nothing left to cancel); 3000 tokens take far longer than
+    # the grace, while 40 "short" tokens need a fraction of it
     cfg = {
         "port": port,
         "shutdown_grace_s": 2,
@@ -323,7 +325,8 @@ def test_sigterm_drains_then_flushes(tiny_hf_dir, tiny_drafter_dir, tmp_path):
         first = post(url, "/v1/completions", {**COMP, "metadata": {"domain": "warmup"}}).json()
 
         def read(name, max_tokens):
-            r = post(url, "/v1/completions", {**COMP, "max_tokens": max_tokens, "stream": True}, stream=True)
+            body = {**COMP, "max_tokens": max_tokens, "stream": True, "ignore_eos": name == "long"}
+            r = post(url, "/v1/completions", body, stream=True)
             for line in r.iter_lines():
                 if line:
                     streams[name].append(line)
