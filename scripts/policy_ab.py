@@ -9,12 +9,18 @@ Besides the bench's method names (`adaflash bench --help`):
                   POLICY, what its choices cost
   POLICY@blockK   every request drafts a block of K (the plan's choice overridden), the policy picks the verify
                   lengths: against POLICY, what its plans (whether to draft, the block length) cost
-  POLICY+slackN   the plans draft blocks N positions beyond their best instead of 1 (`CostPolicy.slack`)
+  POLICY+slackN   the plans draft blocks N positions beyond their best instead of 1 (`CostPolicy.slack`) where
+                  they read no recent rounds (see +prior)
+  POLICY+prior    the plans choose the block from the prior's mean acceptance alone (the plan's best block plus
+                  slack), not from what the verify choice saw in the requests' recent rounds (`choose_block`)
+  POLICY+always   every request drafts every step (the plan's choice to draft overridden), the block and the verify
+                  lengths the policy's: against POLICY, what its choices to skip drafting cost
   POLICY+fresh    the policy on a step-cost calibration measured now instead of the cached one (`adaflash.cost`):
                   what a stale calibration costs
-Each run builds fresh engines and runs them in lockstep (`pipelines.bench.lockstep`, the bench's `--interleave`), 48
-new tokens a request, target float32, the committed drafter. Prints per run and method: tok/s of the steady part,
-the ratio to the first method, drafts accepted per round, rounds undrafted, verify lengths; then the mean ratios.
+Variants combine (cost+prior+slack2; +fresh last). Each run builds fresh engines and runs them in lockstep
+(`pipelines.bench.lockstep`, the bench's `--interleave`), 48 new tokens a request, target float32, the committed
+drafter. Prints per run and method: tok/s of the steady part, the ratio to the first method, drafts accepted per
+round, rounds undrafted, verify lengths, the blocks drafted; then the mean ratios.
 """
 
 from __future__ import annotations
@@ -42,6 +48,39 @@ def _as_fixed(policy, k: int, lengths_too: bool = True) -> None:
     policy.select = fixed_select
     if lengths_too:
         policy.lengths = fixed_lengths
+
+
+class _Forgets(dict):
+    """A `CostPolicy.recent` that keeps nothing: the plans see no recent rounds."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def _always_drafts(policy) -> None:
+    """Let `policy` plan as usual, then draft every request (at the plan's block; where it drafted nobody, its last)."""
+    select, last = policy.select, [policy.k_blk]
+
+    def drafting(states, others=(0, 0)):
+        if any(select(states, others)):
+            last[0] = policy._block
+        policy._block = last[0]
+        return [True] * len(states)
+
+    policy.select = drafting
+
+
+def _count_blocks(policy) -> collections.Counter:
+    """Count the block lengths the drafter runs (one `draft_len` call per drafting step)."""
+    blocks, draft_len = collections.Counter(), policy.draft_len
+
+    def counted(k_blk, head=None):
+        b = draft_len(k_blk, head)
+        blocks[b] += 1
+        return b
+
+    policy.draft_len = counted
+    return blocks
 
 
 def main() -> None:
@@ -73,7 +112,7 @@ def main() -> None:
     for run in range(args.runs):
         engines = {}
         for m in methods:
-            name, _, slack = m.removesuffix("+fresh").partition("+slack")
+            name, _, slack = m.removesuffix("+fresh").replace("+prior", "").replace("+always", "").partition("+slack")
             base, _, fixed = name.partition("@fixed")
             base, _, block = base.partition("@block")
             engines[m] = e = make_engine(base, target.model, drafter, head, args.concurrency, target.eos_ids, 512)
@@ -81,8 +120,13 @@ def main() -> None:
                 e.policy.cost = fresh
             if slack:
                 e.policy.slack = int(slack)
+            if "+always" in m:
+                _always_drafts(e.policy)
+            if "+prior" in m:
+                e.policy.recent = _Forgets()
             if fixed or block:
                 _as_fixed(e.policy, int(fixed or block), lengths_too=bool(fixed))
+        blocks = {m: _count_blocks(e.policy) for m, e in engines.items()}
         states, _, steady = lockstep(engines, {m: bench_requests(m, prompts, 48) for m in engines}, seed=run)
         rate = {m: steady[m][0] / steady[m][1] for m in methods}
         outs = {m: [s.out for s in states[m]] for m in methods}
@@ -94,7 +138,7 @@ def main() -> None:
             accepted, undrafted = sum(rd.accepted for rd in rounds) / len(rounds), sum(not rd.draft for rd in rounds) / len(rounds)
             print(
                 f"  {m:14s} {rate[m]:7.1f} tok/s  {ratios[m][-1]:.4f}x  accepted/round {accepted:.2f}  undrafted {undrafted:.0%}"
-                f"  verify lengths {lens}",
+                f"  verify lengths {lens}  blocks {sorted(blocks[m].items())}",
                 flush=True,
             )
     print("mean ratios:", ", ".join(f"{m} {statistics.mean(v):.4f}x" for m, v in ratios.items()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,7 +30,16 @@ from adaflash.cost import (
     solve_small,
 )
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
-from adaflash.policy_cost import CostPolicy, LiveProfile, batch_schedule, choose_lengths, held_out_profile, plan_drafts, stock_schedule
+from adaflash.policy_cost import (
+    CostPolicy,
+    LiveProfile,
+    batch_schedule,
+    choose_block,
+    choose_lengths,
+    held_out_profile,
+    plan_drafts,
+    stock_schedule,
+)
 
 CHEAP = {"a": (0.01, 0.001, 0.0001), "d": (0.0005, 0.0001, 0.00001)}  # a machine where drafts pay if accepted at all
 
@@ -392,6 +402,40 @@ def test_scan_matches_a_loop_over_blocks_and_prefixes():
         assert got.lens.tolist() == [1 + n for n in drafts], case
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_choose_block_matches_choose_lengths_per_block_and_scenario(seed):
+    """For every block, each scenario's verify lengths are choose_lengths' over that block's drafts (the drafting
+    spent); the block chosen has the most tokens per second summed over the scenarios."""
+    rng = np.random.default_rng(seed)
+    n_s, r, j = 3, 1 + seed % 3, 5
+    cum = rng.random((n_s, r, j)).cumprod(-1)  # [S, R, J]
+    secs = 0.02 + 0.004 * np.maximum(np.arange(r * j + 1) - (seed % 4), 0)  # [R*J + 1] flat to a knee, then linear
+    spent = 0.003 + 0.0005 * r * np.arange(2, j + 2)  # [J] drafting seconds of blocks 2..J+1
+    rates = []
+    for b in range(2, j + 2):
+        g = c = 0.0
+        for s in range(n_s):
+            lens, _ = choose_lengths(cum[s, :, : b - 1], secs[: r * (b - 1) + 1] + spent[b - 2], r)
+            g += r + sum(float(cum[s, i, : n - 1].sum()) for i, n in enumerate(lens.tolist()))
+            c += float(secs[int((lens - 1).sum())] + spent[b - 2])
+        rates.append(g / c)
+    assert choose_block(cum, secs, r, spent) == (2 + int(np.argmax(rates)), pytest.approx(max(rates)))
+
+
+def test_the_block_grows_where_the_drafter_is_sure_in_some_rounds():
+    """The prior's mean acceptance (0.5 a position) plans a short block; rounds where the drafter was sure (0.95 a
+    position, half of them) make the verify choice take more drafts there, so the block is chosen longer."""
+    c = linear_cost()
+    j = 15
+    prior = np.full((1, j), 0.5)
+    secs = c.verify_curve(1, 1, j)
+    spent = np.array([c.draft(1, b) for b in range(2, j + 2)])
+    short = choose_block(prior.cumprod(-1)[None], secs, 1, spent)[0]
+    assert short == plan_drafts(prior.cumprod(-1), secs, 1, c.per_drafted).block  # no rounds: the plan's own choice
+    mixed = np.stack([np.full((1, j), p) for p in (0.95, 0.3, 0.95, 0.3)]).cumprod(-1)  # [S, 1, J] mean 0.625 a position
+    assert choose_block(mixed, secs, 1, spent)[0] > short + 1
+
+
 def test_longer_blocks_where_tokens_are_cheap():
     """The same acceptance verifies more per request at one request than at 32 (a CPU's tokens cost)."""
     c = linear_cost()
@@ -746,6 +790,63 @@ def test_a_fresh_engines_probes_that_find_nothing_soon_spend_less():
     for i in range(3):
         score(f"b{i}", True)
     assert policy.payoff > 0.4
+
+
+def test_the_plans_draft_longer_blocks_after_rounds_the_drafter_was_sure_of():
+    """The prior (P 0.6 a position) plans a short block; after rounds whose drafts the drafter was sure of (the
+    block model's P 0.97 a position), the block is chosen for what the verify choice then took there: longer.
+    Rounds it was unsure of bring it back."""
+    policy = CostPolicy(linear_cost(), 16)
+    policy.prior = AcceptanceModel([0.4, 0.0, 0.0], prior=1e6)  # P = sigmoid(0.4) = 0.6
+    st = [RequestState(Request("r0", [1, 2, 3], 200), DrafterSlot(None), None, None, torch.Generator())]
+
+    def block_after(top: float, rounds: int) -> int:
+        logits = torch.zeros(1, 15, 8)  # [R, J, Vd]: top-1 probability `top`, the rest shared by 7 others
+        logits[..., 0] = math.log(top * 7 / (1 - top))
+        for _ in range(rounds):
+            policy.lengths(st, torch.zeros(1, 16, 4), 16, logits)
+        policy._last = None
+        policy.select(st)
+        return policy.draft_len(16)
+
+    before = block_after(0.5, 0)
+    assert before == plan(linear_cost(), torch.full((1, 15), 0.6, dtype=torch.float64).cumprod(-1)).block + 1  # no rounds: plan + slack
+    sure = block_after(0.97, 16)
+    assert sure > before + 2
+    assert block_after(0.2, 32) < sure
+
+
+def test_a_request_drafts_where_its_rounds_pay_at_the_verify_choice_though_the_prior_says_not():
+    """The prior (P 0.3 a position) leaves a lone request undrafted. Where its rounds alternate between drafts the
+    drafter is sure of (P 0.97) and drafts it is not (0.05), the verify choice takes the sure ones whole and the
+    others not at all: that pays, and the request drafts; where it is never sure (0.3), it does not."""
+    dear = linear_cost(a=(0.06, 0.01, 0.02))  # 20 ms a verified token
+    policy = CostPolicy(dear, 16)
+    policy.prior = AcceptanceModel([-0.85, 0.0, 0.0], prior=1e6)  # P = sigmoid(-0.85) = 0.3
+    st = [RequestState(Request("r0", [1, 2, 3], 200), DrafterSlot(None), None, None, torch.Generator())]
+    assert not plan(dear, torch.full((1, 15), 0.3, dtype=torch.float64).cumprod(-1)).draft.any()
+
+    def drafts_after(tops: list[float]) -> bool:
+        policy.recent.clear()
+        for top in tops:
+            logits = torch.zeros(1, 15, 8)  # [R, J, Vd]: top-1 probability `top`, the rest shared by 7 others
+            logits[..., 0] = math.log(top * 7 / (1 - top))
+            policy.lengths(st, torch.zeros(1, 16, 4), 16, logits)
+        policy._last = None
+        return policy.select(st)[0]
+
+    assert not drafts_after([0.3] * 16)
+    assert drafts_after([0.97, 0.05] * 8)
+
+
+def test_a_plain_step_at_a_requests_last_token_does_not_hold_the_next_request_plain():
+    """A request at its last token cannot commit a draft, so its step is plain; the next request (concurrency 1)
+    drafts from its first step, not after the plain plan is held until a probe."""
+    policy = CostPolicy(linear_cost(), 16)
+    last = RequestState(Request("r0", [1, 2, 3], 1), DrafterSlot(None), None, None, torch.Generator())  # budget 0
+    assert policy.select([last]) == [False]
+    new = RequestState(Request("r1", [1, 2, 3], 50), DrafterSlot(None), None, None, torch.Generator())
+    assert [policy.select([new]) for _ in range(3)] == [[True]] * 3
 
 
 def _never_pays() -> CostPolicy:
