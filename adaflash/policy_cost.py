@@ -621,13 +621,16 @@ class CostPolicy(VerifyPolicy):
         in the batch on, so that no single round stands for every new request), beyond those none; the prior's
         `cond` [R, J] past the block a round drafted and in scenarios without a round."""
         n_pos, n_s = cond.shape[1], max(1, min(RECENT, SCENARIOS // len(d)))
-        traffic = _latest(*self.recent[None], RECENT)  # [T, J]
-        seen = np.full((len(d), n_s, n_pos), np.nan)  # [D, S, J]
-        for k, i in enumerate(d):
-            own = _latest(*self.recent[ids[i]], n_s) if ids[i] in self.recent else traffic[:0]  # [<= S, J]
-            at = len(own) + (0 if len(own) else k * n_s) + np.arange(n_s - len(own))  # [S - own] traffic rows
-            rest = traffic[at[at < len(traffic)]]
-            seen[k, : len(own) + len(rest)] = np.concatenate([own, rest])
+        rows = [self.recent.get(ids[i]) for i in d]
+        none = np.full((RECENT, n_pos), np.nan)
+        rings = np.stack([r[0] if r else none for r in rows])  # [D, RECENT, J]
+        n = np.array([r[1] if r else 0 for r in rows])  # [D] rounds each has written
+        own = np.minimum(n, n_s)[:, None]  # [D, 1]
+        s = np.arange(n_s)[None]  # [1, S]
+        traffic = np.vstack([_latest(*self.recent[None], RECENT), none[:1]])  # [T + 1, J]: the last row none
+        at = np.minimum(np.where(own > 0, s, np.arange(len(d))[:, None] * n_s + s), len(traffic) - 1)  # [D, S] traffic rows
+        mine = rings[np.arange(len(d))[:, None], (n[:, None] - 1 - s) % RECENT]  # [D, S, J] its own latest rounds
+        seen = np.where((s < own)[..., None], mine, traffic[at])  # [D, S, J]
         conds = np.where(np.isnan(seen), cond[d][:, None], seen).transpose(1, 0, 2)  # [S, D, J]
         return np.cumprod(conds, -1) * fits[d][None]  # [S, D, J]
 
