@@ -1,4 +1,4 @@
-"""Where a verify policy loses against a fixed length: bench methods in lockstep, with four diagnostic variants.
+"""Where a verify policy loses against a fixed length: bench methods in lockstep, with six diagnostic variants.
 
     python scripts/policy_ab.py --domain humaneval --concurrency 1 --requests 16 --methods fixed6,cost@fixed6,cost
     python scripts/policy_ab.py --domain code --concurrency 32 --requests 64 --methods ar,fixed3,cost,cost+fresh
@@ -11,8 +11,8 @@ Besides the bench's method names (`adaflash bench --help`):
                   lengths: against POLICY, what its plans (whether to draft, the block length) cost
   POLICY+slackN   the plans draft blocks N positions beyond their best instead of 1 (`CostPolicy.slack`) where
                   they read no recent rounds (see +prior)
-  POLICY+prior    the plans choose the block from the prior's mean acceptance alone (the plan's best block plus
-                  slack), not from what the verify choice saw in the requests' recent rounds (`choose_block`)
+  POLICY+prior    the plans as before session 56: the scan's drafting requests at its best block plus slack, from
+                  the prior's mean acceptance alone, not priced over the requests' recent rounds (`CostPolicy._options`)
   POLICY+always   every request drafts every step (the plan's choice to draft overridden), the block and the verify
                   lengths the policy's: against POLICY, what its choices to skip drafting cost
   POLICY+fresh    the policy on a step-cost calibration measured now instead of the cached one (`adaflash.cost`):
@@ -20,7 +20,8 @@ Besides the bench's method names (`adaflash bench --help`):
 Variants combine (cost+prior+slack2; +fresh last). Each run builds fresh engines and runs them in lockstep
 (`pipelines.bench.lockstep`, the bench's `--interleave`), 48 new tokens a request, target float32, the committed
 drafter. Prints per run and method: tok/s of the steady part, the ratio to the first method, drafts accepted per
-round, rounds undrafted, verify lengths, the blocks drafted; then the mean ratios.
+round, rounds undrafted, verify lengths, the blocks drafted (`draft_len` calls: fixedK also calls it to verify, so
+its counts are doubled); then the mean ratios.
 """
 
 from __future__ import annotations
