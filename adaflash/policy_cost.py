@@ -78,12 +78,12 @@ def _ranked(values: np.ndarray) -> np.ndarray:
     return np.argsort(-values, kind="stable")
 
 
-def _best_prefix(values: np.ndarray, secs: np.ndarray, fixed_gain: float, start: int = 0) -> tuple[int, float]:
+def _best_prefix(values: np.ndarray, secs: np.ndarray, fixed_gain: float) -> tuple[int, float]:
     """values [M] in the order they are taken, secs [M + 1] step seconds with n of them taken -> the n
-    (at least `start`) with the most expected tokens per second, and that rate."""
+    with the most expected tokens per second, and that rate."""
     gain = fixed_gain + np.concatenate([[0.0], np.cumsum(values)])  # [M + 1]
     rate = gain / secs
-    n = start + int(rate[start:].argmax())
+    n = int(rate.argmax())
     return n, float(rate[n])
 
 
@@ -604,10 +604,10 @@ class CostPolicy(VerifyPolicy):
             return plan.draft, min(self.k_blk, plan.block + self.slack) if plan.block else 2
         best = (-np.inf, plan.draft, 2) if force.any() else (fixed / float(secs[0]), np.zeros_like(plan.draft), 2)
         can = fits[:, 0]  # [R] requests that can still commit a draft
+        blocks = np.arange(2, cond.shape[1] + 2)  # [J]
         for d in [plan.draft] + ([can] if not force.any() and (can != plan.draft).any() else []):
             if d.any():
                 idx = np.flatnonzero(d)  # [D]
-                blocks = np.arange(2, cond.shape[1] + 2)  # [J]
                 spent = draft_s[0] + len(idx) * (draft_s[1] + draft_s[2] * blocks) + float(extra_s[idx].sum())  # [J]
                 b, rate = choose_block(self._scenarios(idx, ids, cond, fits), secs, fixed, spent)
                 if rate > best[0]:
