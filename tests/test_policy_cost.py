@@ -792,6 +792,14 @@ def test_a_fresh_engines_probes_that_find_nothing_soon_spend_less():
     assert policy.payoff > 0.4
 
 
+def _verify_a_round(policy: CostPolicy, states: list, top: float) -> None:
+    """One drafted block of 16 for `states` whose drafter gave every position top-1 probability `top` (the block model
+    starts as P = that confidence): `lengths` records it among the requests' recent rounds."""
+    logits = torch.zeros(len(states), 15, 8)  # [R, J, Vd]: top-1 probability `top`, the rest shared by 7 others
+    logits[..., 0] = math.log(top * 7 / (1 - top))
+    policy.lengths(states, torch.zeros(len(states), 16, 4), 16, logits)
+
+
 def test_the_plans_draft_longer_blocks_after_rounds_the_drafter_was_sure_of():
     """The prior (P 0.6 a position) plans a short block; after rounds whose drafts the drafter was sure of (the
     block model's P 0.97 a position), the block is chosen for what the verify choice then took there: longer.
@@ -801,10 +809,8 @@ def test_the_plans_draft_longer_blocks_after_rounds_the_drafter_was_sure_of():
     st = [RequestState(Request("r0", [1, 2, 3], 200), DrafterSlot(None), None, None, torch.Generator())]
 
     def block_after(top: float, rounds: int) -> int:
-        logits = torch.zeros(1, 15, 8)  # [R, J, Vd]: top-1 probability `top`, the rest shared by 7 others
-        logits[..., 0] = math.log(top * 7 / (1 - top))
         for _ in range(rounds):
-            policy.lengths(st, torch.zeros(1, 16, 4), 16, logits)
+            _verify_a_round(policy, st, top)
         policy._last = None
         policy.select(st)
         return policy.draft_len(16)
@@ -829,9 +835,7 @@ def test_a_request_drafts_where_its_rounds_pay_at_the_verify_choice_though_the_p
     def drafts_after(tops: list[float]) -> bool:
         policy.recent.clear()
         for top in tops:
-            logits = torch.zeros(1, 15, 8)  # [R, J, Vd]: top-1 probability `top`, the rest shared by 7 others
-            logits[..., 0] = math.log(top * 7 / (1 - top))
-            policy.lengths(st, torch.zeros(1, 16, 4), 16, logits)
+            _verify_a_round(policy, st, top)
         policy._last = None
         return policy.select(st)[0]
 
