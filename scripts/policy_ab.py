@@ -1,4 +1,4 @@
-"""Where a verify policy loses against a fixed length: bench methods in lockstep, with six diagnostic variants.
+"""Where a verify policy loses against a fixed length: bench methods in lockstep, with seven diagnostic variants.
 
     python scripts/policy_ab.py --domain humaneval --concurrency 1 --requests 16 --methods fixed6,cost@fixed6,cost
     python scripts/policy_ab.py --domain code --concurrency 32 --requests 64 --methods ar,fixed3,cost,cost+fresh
@@ -15,6 +15,8 @@ Besides the bench's method names (`adaflash bench --help`):
                   the prior's mean acceptance alone, not priced over the requests' recent rounds (`CostPolicy._options`)
   POLICY+always   every request drafts every step (the plan's choice to draft overridden), the block and the verify
                   lengths the policy's: against POLICY, what its choices to skip drafting cost
+  POLICY+whole    every request drafting again after plain steps priced as before session 57 (the margin kept): each drafter-cache
+                  extension of a request that decoded plainly charged whole to the switch, not spread over its steps left
   POLICY+fresh    the policy on a step-cost calibration measured now instead of the cached one (`adaflash.cost`):
                   what a stale calibration costs
 Variants combine (cost+prior+slack2; +fresh last). Each run builds fresh engines and runs them in lockstep
@@ -71,6 +73,17 @@ def _always_drafts(policy) -> None:
     policy.select = drafting
 
 
+def _switch_whole(policy) -> None:
+    """Price the switch of a whole batch back to drafting with the plan's extension charges (idle requests' whole)."""
+    charge = policy._extend_charge
+
+    def whole(*args):
+        charged, _ = charge(*args)
+        return charged, charged
+
+    policy._extend_charge = whole
+
+
 def _count_blocks(policy) -> collections.Counter:
     """Count the block lengths the drafter runs (one `draft_len` call per drafting step)."""
     blocks, draft_len = collections.Counter(), policy.draft_len
@@ -113,7 +126,7 @@ def main() -> None:
     for run in range(args.runs):
         engines = {}
         for m in methods:
-            name, _, slack = m.removesuffix("+fresh").replace("+prior", "").replace("+always", "").partition("+slack")
+            name, _, slack = m.removesuffix("+fresh").replace("+prior", "").replace("+always", "").replace("+whole", "").partition("+slack")
             base, _, fixed = name.partition("@fixed")
             base, _, block = base.partition("@block")
             engines[m] = e = make_engine(base, target.model, drafter, head, args.concurrency, target.eos_ids, 512)
@@ -121,6 +134,8 @@ def main() -> None:
                 e.policy.cost = fresh
             if slack:
                 e.policy.slack = int(slack)
+            if "+whole" in m:
+                _switch_whole(e.policy)
             if "+always" in m:
                 _always_drafts(e.policy)
             if "+prior" in m:

@@ -1126,6 +1126,27 @@ def test_a_request_that_stopped_drafting_pays_its_pending_context_whole():
     assert not any(policy.select(st))
 
 
+def test_a_batch_that_decoded_plainly_drafts_again_together_where_its_rounds_pay():
+    """The same 8 requests, decoded plainly at their last plan, after rounds the drafter was sure of (the block
+    model's P 0.9 a position): all of them drafting again pays, their extensions spread over the steps they have
+    left (256 tokens), and they draft together; with 2 tokens left each would pay its extension in this step, and
+    none does. Priced whole for such a switch too, a batch that once fell to plain decoding stayed there where
+    drafting paid (code at c=32: 92% of rounds undrafted, 1.004x plain against 1.066x, `policy_ab` 2 runs)."""
+
+    def picks(max_new: int) -> list[bool]:
+        policy = CostPolicy(staircase_cost(), 16)
+        policy.prior = AcceptanceModel([0.4, 0.0, 0.0], prior=1e6)  # P = 0.6 at every position
+        st = [RequestState(Request(f"r{i}", [1, 2, 3], max_new), DrafterSlot(None), None, None, torch.Generator()) for i in range(8)]
+        for _ in range(4):
+            _verify_a_round(policy, st, 0.9)
+        for s in st:
+            s.add_context(torch.zeros(400, 4))
+            policy.skipped[s.req.request_id] = 1  # each decoded plainly at its last plan
+        return policy.select(st)
+
+    assert all(picks(256)) and not any(picks(2))
+
+
 def test_the_traffics_running_acceptance_follows_new_traffic_that_seldom_drafts():
     """New requests start from the traffic's running acceptance. Where the traffic turns to a domain that
     hardly drafts, its few labels must soon outweigh the old traffic's many: the global counts hold at most
