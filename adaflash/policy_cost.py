@@ -603,7 +603,7 @@ class CostPolicy(VerifyPolicy):
         extra_s: ([R] the plan's extension charges, [R] the extensions spread over each request's drafted steps left,
         `_extend_charge`). Every request drafting is a switch of the whole batch, which keeps drafting while it pays:
         priced with the spread extensions (charged whole as in the plan, a batch that once decoded plainly never
-        drafted again: code at c=32, 92% of rounds undrafted, 1.004x plain where drafting gave 1.066x), and taken only
+        drafted again: code at c=32, 92% of rounds undrafted, 1.004x plain where drafting gave 1.07-1.08x), and taken only
         where it beats the others by more than the step-cost model's recent error on whole steps (`step_error`): at
         MT-Bench c=8 switches priced 1-8% ahead of plain decoding measured level with it."""
         if None not in self.recent:
