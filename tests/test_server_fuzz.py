@@ -296,13 +296,19 @@ def test_slow_clients_and_disconnects(served, tiny_hf_dir, tiny_drafter_dir, tmp
     assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
     served.settled()
 
-    # hanging up before long answers: a server of its own, where max_tokens may be 300
+    # hanging up before long answers: a server of its own, where max_tokens may be 3000
     cfg = serve_config(
-        tiny_hf_dir, tiny_drafter_dir, tmp_path / "buffer", trajectories={"rows_per_shard": 1}, engine={"max_batch": 4, "max_queued": 64}
+        tiny_hf_dir,
+        tiny_drafter_dir,
+        tmp_path / "buffer",
+        trajectories={"rows_per_shard": 1},
+        engine={"max_batch": 4, "max_queued": 64, "max_model_len": 4096, "max_tokens_limit": 3000},
     )
     # greedy: at the default temperature 1 a random seed per request let one in a few hundred CI runs sample the
-    # tiny model's EOS before its hang-up was noticed (counters {'cancelled': 5, 'stop': 1}); greedy hits no EOS in 300
-    long = body.replace(b'"max_tokens": 6', b'"max_tokens": 300, "temperature": 0')
+    # tiny model's EOS before its hang-up was noticed (counters {'cancelled': 5, 'stop': 1}); and long enough that no
+    # answer ends before the server looks for a non-streaming client's hang-up (every 0.5 s): 300 tokens, drafted,
+    # ended first on a fast machine (counters {'cancelled': 3, 'length': 3}), so 3000 past EOS (`ignore_eos`)
+    long = body.replace(b'"max_tokens": 6', b'"max_tokens": 3000, "temperature": 0, "ignore_eos": true')
     with running_server(cfg, target=load_target(str(tiny_hf_dir), "float32")) as (url, state, _):
         other = Served(url, state, tmp_path / "buffer")
         raw_request(url, head(len(long) + 50), long, close_after=0.2)  # hangs up before the body it announced
