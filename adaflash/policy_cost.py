@@ -611,8 +611,10 @@ class CostPolicy(VerifyPolicy):
         best = (-np.inf, plan.draft, 2) if force.any() else (fixed / float(secs[0]), np.zeros_like(plan.draft), 2)
         can = fits[:, 0]  # [R] requests that can still commit a draft
         blocks = np.arange(2, cond.shape[1] + 2)  # [J]
-        switch = [(can, extra_s[1], self.step_error if self.step_error == self.step_error else 0.0)]  # (NaN before a timed step)
-        for d, ext, margin in [(plan.draft, extra_s[0], 0.0)] + (switch if not force.any() and (can != plan.draft).any() else []):
+        options = [(plan.draft, extra_s[0], 0.0)]  # (who drafts, their extension charges, the margin to beat the best by)
+        if not force.any() and (can != plan.draft).any():  # the whole batch switching (step_error NaN before a timed step)
+            options.append((can, extra_s[1], self.step_error if self.step_error == self.step_error else 0.0))
+        for d, ext, margin in options:
             if d.any():
                 idx = np.flatnonzero(d)  # [D]
                 spent = draft_s[0] + len(idx) * (draft_s[1] + draft_s[2] * blocks) + float(ext[idx].sum())  # [J]

@@ -126,7 +126,10 @@ def main() -> None:
     for run in range(args.runs):
         engines = {}
         for m in methods:
-            name, _, slack = m.removesuffix("+fresh").replace("+prior", "").replace("+always", "").replace("+whole", "").partition("+slack")
+            name = m.removesuffix("+fresh")
+            for flag in ("+prior", "+always", "+whole"):
+                name = name.replace(flag, "")
+            name, _, slack = name.partition("+slack")
             base, _, fixed = name.partition("@fixed")
             base, _, block = base.partition("@block")
             engines[m] = e = make_engine(base, target.model, drafter, head, args.concurrency, target.eos_ids, 512)
