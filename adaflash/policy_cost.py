@@ -21,7 +21,8 @@ verified round: the labels are free, accepted positions 1, the first rejected 0,
   which requests draft at all and how long a block the drafter runs. A request where no draft pays
   skips the drafter pass and verifies its anchor alone; it is drafted again as a probe after 4, 8, ..
   64 skipped steps (on every 4th step, so that probes share a drafter pass, and at most one request
-  in 8 (or two) per step), so a request whose text turns predictable is picked up again; no request
+  in 8 (or two) per step), verifying PROBE_DRAFTS drafts however unsure the drafter is (a probe is there
+  to learn), so a request whose text turns predictable is picked up again; no request
   the plan would leave undrafted joins a probe's pass; the plan's drafting requests, every request that can
   draft, and nobody are then priced over scenarios of the requests' recent rounds, at the verify lengths each
   would leave (`CostPolicy._options`, `choose_block`), and the best of them is drafted at its best block;
@@ -54,6 +55,10 @@ EXPLORE = 0.02  # probes spend at most this share of the time (see CostPolicy._p
 PAYOFF_FLOOR = 0.125  # ... times the share of recent probes that paid, never below this
 PAYOFF_FORGET = 0.9  # that share: over about the last 10 probes
 PAYOFF_PLANS = 3  # a probe paid where its request then drafted at this many plans in a row, unforced
+# a probe verifies this many drafts (where its request has room): labels to learn from, not a bet. With one draft
+# a probe (position 1 accepted ~0.56 a probe on GSM8K, ~0.41 on MT-Bench) the policy found GSM8K's gain after MT-Bench
+# 5 rounds into it; with three, in the third (docs/benchmarks.md, "After a domain shift")
+PROBE_DRAFTS = 3
 LABEL_BATCH = 32  # labels the acceptance models gather before a refit
 RECENT = 32  # a request's recent rounds whose block-model predictions the plans' block choice reads (`choose_block`) ...
 SCENARIOS = 32  # ... as many as keep scenarios x drafting requests within this (a batch pools its requests' rounds)
@@ -570,13 +575,17 @@ class CostPolicy(VerifyPolicy):
         draft_s, extend_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
         extra_s, spread_s = self._extend_charge(ids, states, extend_s, cum)  # [R], [R]
         self._save_explore(step_s)
-        force = self._probes(ids, extend_s + draft_s[1] + 2 * draft_s[2] + float(secs[1] - secs[0]), draft_s[0], fits[:, 0])  # paid whole
+        n_probe = min(PROBE_DRAFTS, secs.size - 1)  # the drafts a probe verifies, its block one longer
+        probe_s = extend_s + draft_s[1] + (n_probe + 1) * draft_s[2] + float(secs[n_probe] - secs[0])  # [R] paid whole
+        force = self._probes(ids, probe_s, draft_s[0], fits[:, 0])
         if force.any():  # a probe's pass drafts the probed and those that draft anyway, no others joining on it for free:
             # in marginal pricing they paid, measured they did not (MT-Bench at c=8: probe steps drafted 3.4 requests a step for
             # 1.6 probed, 15 ms over a plain step for 1.2 tokens; code at c=32: 0.970x -> 1.002x plain, 3 runs)
             cum = cum * (force | plan_drafts(cum, secs, fixed, draft_s, None, extra_s).draft)[:, None]  # [R, K-1]
         plan = plan_drafts(cum, secs, fixed, draft_s, force, extra_s)
         draft, self._block = self._options(plan, force, ids, cond, fits, secs, fixed, draft_s, (extra_s, spread_s))
+        if force.any():
+            self._block = max(self._block, min(self.k_blk, PROBE_DRAFTS + 1))
         draft = draft.tolist()
         kept = _Kept(key, draft, self._block, secs, fixed, step_s, n_req, self.labelled)
         # a probe is one step; and a plan that drafted nobody because nobody could commit a draft (every request at its
@@ -735,8 +744,8 @@ class CostPolicy(VerifyPolicy):
         cadence (the probes of many requests then share one drafter pass instead of each paying one in
         a step of its own), at most one in PROBE_SHARE of the batch (or two), the longest skipped
         first, as far as the exploration budget (`explore`, EXPLORE of every step's time) pays for
-        them: cost [R] the seconds each would add (its drafting, the context it extends first, one
-        more token verified), d_pass those of the drafter pass they share; can [R] bool: requests that can
+        them: cost [R] the seconds each would add (its drafting, the context it extends first, the
+        PROBE_DRAFTS tokens it verifies), d_pass those of the drafter pass they share; can [R] bool: requests that can
         still commit a draft (a probe at a request's last token verified nothing). Exploring so costs at most
         EXPLORE of the time where drafting does not pay, and PAYOFF_FLOOR of that where recent probes
         found nothing that paid."""
@@ -855,7 +864,7 @@ class CostPolicy(VerifyPolicy):
     # -- after drafting
     def lengths(self, states, hidden, k_blk, logits=None):
         """hidden [R, L, H] drafted block states, logits [R, L-1, Vd] their draft logits (computed here
-        when not given) -> verify lengths in 1..L (forced probes at least 2)."""
+        when not given) -> verify lengths in 1..L (a forced probe PROBE_DRAFTS + 1, as far as its request has room)."""
         ids = [s.req.request_id for s in states]
         n_pos = hidden.shape[1] - 1
         if n_pos < 1:
@@ -872,7 +881,8 @@ class CostPolicy(VerifyPolicy):
             secs, fixed = self._decoding(self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, ctx)), n_req, n_tok, ctx)
         lens = choose_lengths(cum, secs[: cum.size + 1] + spent, fixed)[0]  # [R]
         if self.forced:
-            lens = np.where([i in self.forced for i in ids], np.maximum(lens, 2), lens)
+            probes = np.minimum(PROBE_DRAFTS, room(states, n_pos).sum(-1)) + 1  # [R] the anchor and the drafts a probe verifies
+            lens = np.where([i in self.forced for i in ids], np.maximum(lens, probes), lens)
         for j, i in enumerate(ids):
             self.pending[i] = _Pending(x[j], cond[j])
             for key in (i, None):  # the request's and the traffic's

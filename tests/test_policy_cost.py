@@ -664,7 +664,9 @@ def test_useless_lookup_chains_are_refused():
     assert fixed_late >= 40 and cost_early > 0 and cost_late <= 0.15 * fixed_late
 
 
-def test_skipped_requests_are_probed_with_backoff():
+def test_skipped_requests_are_probed_with_backoff(monkeypatch):
+    from adaflash import policy_cost
+
     policy = CostPolicy(linear_cost(), 16)
     for _ in range(30):  # the running acceptance says nothing pays
         policy.running.update(["a"], torch.tensor([0.0]), torch.tensor([1.0]))
@@ -682,6 +684,7 @@ def test_skipped_requests_are_probed_with_backoff():
     policy.running.update([s.req.request_id for s in many], torch.zeros(32), torch.full((32,), 30.0))
     for s in many[:8]:  # eight requests have waited longer than the rest
         policy.skipped[s.req.request_id] = 40
+    monkeypatch.setattr(policy_cost, "EXPLORE", 0.5)  # a budget for more probes than the share allows (256 steps' share is capped)
     picks = [policy.select(many) for _ in range(8)]
     first = next(p for p in picks if any(p))
     assert sum(first) == 4 and all(first[:4]) and not any(first[8:])  # a probe step takes one request in 8, the longest skipped
@@ -712,10 +715,36 @@ def test_a_probe_drafts_the_probed_request_alone():
     assert all(policy.select(st))  # where the plan drafts them anyway, they still draft beside the probe
 
 
+def test_a_probe_verifies_enough_drafts_to_learn_from():
+    """A probe is there to learn whether its request's drafts are accepted: it drafts a block of at least
+    PROBE_DRAFTS + 1 and verifies PROBE_DRAFTS drafts (fewer where its request has less room left), however
+    unsure the drafter is; a request drafting beside it verifies what pays. One draft a probe told GSM8K
+    (position 1 accepted ~0.56 a probe) from MT-Bench (~0.41) only after many probes: after MT-Bench the
+    policy found GSM8K's gain 5 rounds into it, with three drafts in round 3 (docs/benchmarks.md)."""
+    from adaflash.policy_cost import PROBE_DRAFTS, PROBE_SYNC
+
+    policy = CostPolicy(staircase_cost(), 16)
+    policy.prior = AcceptanceModel([math.log(0.15 / 0.85), 0.0, 0.0], prior=1e6)  # P = 0.15: drafting does not pay
+    policy.explore = float("inf")
+    new = [64, 2] + [64] * 6  # r1 can commit two more tokens: one draft past its anchor
+    st = [RequestState(Request(f"r{i}", [1, 2, 3], n), DrafterSlot(None), None, None, torch.Generator()) for i, n in enumerate(new)]
+    for s in st:
+        policy.skipped[s.req.request_id] = 1
+    policy.skipped["r0"] = policy.skipped["r1"] = 40  # both due for a probe
+    policy.steps = PROBE_SYNC - 1  # select counts this step: a probe step
+    picks = policy.select(st)
+    assert picks == [True, True] + [False] * 6 and policy.forced == {"r0", "r1"}
+    block = policy.draft_len(16)
+    assert block >= PROBE_DRAFTS + 1
+    logits = torch.zeros(2, block - 1, 8)  # [R, J, Vd]: an unsure drafter (top-1 probability 1/8 everywhere)
+    lens, _ = policy.lengths(st[:2], torch.zeros(2, block, 4), 16, logits)
+    assert lens == [PROBE_DRAFTS + 1, 2]
+
+
 def test_probes_spend_at_most_their_share_of_the_time():
     """Where drafting never pays, probes cost at most EXPLORE of the step time (and one probe's worth):
     a request that must first extend its drafter cache with 400 tokens is probed less often."""
-    from adaflash.policy_cost import EXPLORE
+    from adaflash.policy_cost import EXPLORE, PROBE_DRAFTS
 
     def probes(pending: int) -> tuple[int, float]:
         policy = CostPolicy(staircase_cost(), 16)
@@ -727,7 +756,9 @@ def test_probes_spend_at_most_their_share_of_the_time():
         for _ in range(400):
             picks = policy.select(st)
             n += sum(picks)
-            one = policy.cost.draft(1, 2, pending) - policy.cost.per_drafted[0] + policy.cost.verify(8, 9) - policy.cost.verify(8, 8)
+            k = PROBE_DRAFTS  # a probe's drafts verified, its block one longer
+            verified = policy.cost.verify(8, 8 + k) - policy.cost.verify(8, 8)
+            one = policy.cost.draft(1, k + 1, pending) - policy.cost.per_drafted[0] + verified
             spent += sum(picks) * one + any(picks) * policy.cost.per_drafted[0]
         return n, spent
 
