@@ -872,7 +872,8 @@ class CostPolicy(VerifyPolicy):
         conf = confidence(states[0].slot.drafter.logits(hidden[:, 1:]) if logits is None else logits)  # [R, J]
         x = block_features(conf, self.running.rate(ids))  # [R, J, 4]
         cond = self.block.predict(x)  # [R, J]
-        cum = np.cumprod(cond, -1) * room(states, n_pos)  # [R, J]
+        fits = room(states, n_pos)  # [R, J]
+        cum = np.cumprod(cond, -1) * fits  # [R, J]
         n_req, n_tok = self._batch or (len(states), len(states))  # without `select` (an engine that drafts everyone): these alone
         spent = self.overrun.k * self.cost.draft(len(states), hidden.shape[1])  # drafting is spent by now
         secs, fixed = self._secs, self._fixed  # [>= R*J + 1]
@@ -881,7 +882,7 @@ class CostPolicy(VerifyPolicy):
             secs, fixed = self._decoding(self._priced(self.cost.verify_curve(n_req, n_tok, cum.size, ctx)), n_req, n_tok, ctx)
         lens = choose_lengths(cum, secs[: cum.size + 1] + spent, fixed)[0]  # [R]
         if self.forced:
-            probes = np.minimum(PROBE_DRAFTS, room(states, n_pos).sum(-1)) + 1  # [R] the anchor and the drafts a probe verifies
+            probes = np.minimum(PROBE_DRAFTS, fits.sum(-1)) + 1  # [R] the anchor and the drafts a probe verifies
             lens = np.where([i in self.forced for i in ids], np.maximum(lens, probes), lens)
         for j, i in enumerate(ids):
             self.pending[i] = _Pending(x[j], cond[j])
