@@ -664,7 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=1,
-        help="runs per method and cell, order rotated each time; rows report the median (3 steadies ratios on a noisy machine)",
+        help="runs per method and cell, order rotated each time; rows report the median (3 steadies ratios on a noisy machine); "
+        "with --shift, the whole traffic on fresh engines, each domain's prompts in another seeded order after the first",
     )
     b.add_argument(
         "--shift",

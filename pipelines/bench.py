@@ -574,20 +574,21 @@ def shift_bench(
     `rounds[1]` rounds from `after`, each method on ONE engine for the whole traffic (its policy keeps
     what it learnt, as a server's does; the drafter never changes), the methods of a round in lockstep
     (`lockstep`, the first one rotated per round). `repeats`: the whole traffic served again that many
-    times, each time on fresh engines (a policy starts from scratch) with the step order shuffled anew:
-    a round of a few seconds moves by several percent from run to run, so one run cannot tell 0.97x from
-    1.0x. -> one row per method and round: tok/s, tau, the share of undrafted rounds (verify length 1)
-    and the ratio to `ar` in the same round, medians over the repeats (every repeat's in `*_runs`)."""
+    times, each time on fresh engines (a policy starts from scratch) with the step order shuffled anew and each
+    domain's prompts in another order (`shift_plan`): a round of a few seconds moves by several percent from run
+    to run, so one run cannot tell 0.97x from 1.0x. -> one row per method and round: tok/s, tau, the share of
+    undrafted rounds (verify length 1) and the ratio to `ar` in the same round, medians over the repeats (every
+    repeat's in `*_runs`; the committed tokens the first repeat's)."""
     need = {"before": rounds[0] * round_size, "after": rounds[1] * round_size}
     short = [f"{k}: {need[k]} needed, {len(v)} given" for k, v in (("before", before), ("after", after)) if len(v) < need[k]]
     if short:
         raise ValueError(f"too few prompts for the shift's rounds ({'; '.join(short)})")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    plan = [(before, i, None) for i in range(rounds[0])] + [(after, i, i + 1) for i in range(rounds[1])]
     runs: dict[tuple[int, str], list[dict]] = {}  # (round, method) -> one measurement per repeat
-    bar = tqdm(total=repeats * len(plan), desc="shift", unit="round")
+    bar = tqdm(total=repeats * sum(rounds), desc="shift", unit="round")
     for rep in range(repeats):
+        plan = shift_plan(before, after, rounds, rep)
         engines = {m: make_engine(m, target, drafter, head, concurrency, eos, token_budget, lookup) for m in methods}
         for r, (prompts, i, _) in enumerate(plan):
             chunk = prompts[i * round_size : (i + 1) * round_size]
@@ -611,7 +612,7 @@ def shift_bench(
             bar.update(1)
     bar.close()
     rows = []
-    for r, (prompts, i, since) in enumerate(plan):
+    for r, (prompts, i, since) in enumerate(shift_plan(before, after, rounds, 0)):
         for m in methods:
             rs = runs[(r, m)]
             ratios = [x["speedup_vs_ar"] for x in rs if x["speedup_vs_ar"] is not None]
@@ -631,6 +632,16 @@ def shift_bench(
                 }
             )
     return rows
+
+
+def shift_plan(before: list, after: list, rounds: tuple[int, int], repeat: int) -> list[tuple[list, int, int | None]]:
+    """A shift's rounds: (the domain's prompts, the round's index in them, rounds since the shift or None), `rounds[0]`
+    of `before` then `rounds[1]` of `after`. The first repeat serves each domain's prompts in the order given, each
+    later one in another order (seeded by the repeat): served alike, every repeat probed the same requests at the same
+    steps and found the same (MT-Bench then GSM8K, two repeats traced), so a median over repeats was one path's luck."""
+    if repeat:
+        before, after = (random.Random(2 * repeat + j).sample(p, len(p)) for j, p in enumerate((before, after)))
+    return [(before, i, None) for i in range(rounds[0])] + [(after, i, i + 1) for i in range(rounds[1])]
 
 
 def _ratio_text(row: dict) -> str:

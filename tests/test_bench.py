@@ -216,6 +216,24 @@ def test_bench_shift_serves_two_domains_on_one_engine_per_method(tiny_hf_dir, ti
     assert main([*common, "--methods", "ar,cost", "--shift", "math,poems", "--shift-rounds", "3,1"]) == 2  # 6 math prompts needed
 
 
+def test_shift_repeats_serve_each_domains_prompts_in_another_order():
+    """A shift's first repeat serves the prompts in the order given, each later one in another (seeded) order of the
+    same prompts: the same order made every repeat probe the same requests at the same steps."""
+    from adaflash.pipelines.bench import shift_plan
+
+    before, after = [f"b{i}" for i in range(8)], [f"a{i}" for i in range(12)]
+
+    def served(rep: int) -> list[list[str]]:
+        return [prompts[i * 4 : (i + 1) * 4] for prompts, i, _ in shift_plan(before, after, (2, 3), rep)]
+
+    first = served(0)
+    assert first == [before[:4], before[4:], after[:4], after[4:8], after[8:]]
+    assert [since for *_, since in shift_plan(before, after, (2, 3), 1)] == [None, None, 1, 2, 3]
+    later = [served(rep) for rep in (1, 2)]
+    assert all(sorted(sum(x[:2], [])) == sorted(before) and sorted(sum(x[2:], [])) == sorted(after) for x in later)
+    assert first != later[0] != later[1] and served(1) == later[0]  # another order each repeat, the same each time
+
+
 def test_bench_prompts_per_domain_split(tmp_path):
     """`--domains name:split` reads that domain from its own split of the built prompt sets."""
     import argparse
