@@ -20,16 +20,18 @@ Besides the bench's method names (`adaflash bench --help`):
   POLICY+fresh    the policy on a step-cost calibration measured now instead of the cached one (`adaflash.cost`):
                   what a stale calibration costs
 Variants combine (cost+prior+slack2; +fresh last). Each run builds fresh engines and runs them in lockstep
-(`pipelines.bench.lockstep`, the bench's `--interleave`), 48 new tokens a request, target float32, the committed
-drafter. Prints per run and method: tok/s of the steady part, the ratio to the first method, drafts accepted per
-round, rounds undrafted, verify lengths, the blocks drafted (`draft_len` calls: fixedK also calls it to verify, so
-its counts are doubled); then the mean ratios.
+(`pipelines.bench.lockstep`, the bench's `--interleave`), each run after the first with the prompts in another order
+(in one order runs differ by timing alone: `bench --shift`'s repeats, so served, probed the same requests at the
+same steps), 48 new tokens a request, target float32, the committed drafter. Prints per run and method: tok/s of the
+steady part, the ratio to the first method, drafts accepted per round, rounds undrafted, verify lengths, the blocks
+drafted (`draft_len` calls: fixedK also calls it to verify, so its counts are doubled); then the mean ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import random
 import statistics
 from pathlib import Path
 
@@ -146,7 +148,8 @@ def main() -> None:
             if fixed or block:
                 _as_fixed(e.policy, int(fixed or block), lengths_too=bool(fixed))
         blocks = {m: _count_blocks(e.policy) for m, e in engines.items()}
-        states, _, steady = lockstep(engines, {m: bench_requests(m, prompts, 48) for m in engines}, seed=run)
+        served = prompts if not run else random.Random(run).sample(prompts, len(prompts))  # another order each run after the first
+        states, _, steady = lockstep(engines, {m: bench_requests(m, served, 48) for m in engines}, seed=run)
         rate = {m: steady[m][0] / steady[m][1] for m in methods}
         outs = {m: [s.out for s in states[m]] for m in methods}
         print(f"run {run} (greedy output equal: {all(o == outs[methods[0]] for o in outs.values())})")
