@@ -222,7 +222,7 @@ def vllm_batched_tokens(token_budget: int, max_seqs: int, verify: int) -> int:
 
 def dflash_spec(drafter_dir, drafts: int = 0, schedule: list[tuple[int, int, int]] | None = None) -> dict:
     """vLLM's speculative_config for the DFlash drafter in `drafter_dir`: `drafts` tokens a step, or by batch size
-    with `schedule` [(B_lo, B_hi, K)], inclusive ranges from 1 (`adaflash.policy_cost.batch_schedule`; K = 0
+    with `schedule` [(B_lo, B_hi, K)], inclusive ranges from 1 (`adaflash.stock_schedule.batch_schedule`; K = 0
     verifies no drafts) as vLLM's num_speculative_tokens_per_batch_size (vLLM >= 0.32), its longest K as
     num_speculative_tokens."""
     spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": drafts}

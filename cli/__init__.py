@@ -377,7 +377,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # a quantised target is ours only: vLLM runs the float model in that target's activation dtype (bfloat16)
         vllm["dtype"] = str(target.model.dtype).removeprefix("torch.")
         if "vllm-cost" in methods:  # drafts by batch size, priced by this machine's step costs in vLLM's dtype
-            from adaflash.policy_cost import stock_schedule
+            from adaflash.stock_schedule import stock_schedule
             from adaflash.target import resolve_target_dtype
 
             quantised = resolve_target_dtype(args.dtype)[1] is not None

@@ -306,7 +306,7 @@ def run_hf(method: str, hf_model, prompts: list[BenchPrompt], concurrency: int, 
 
 def vllm_spec(method: str, drafter_dir: Path | None, k_blk: int, schedule: list | None = None) -> dict | None:
     """vLLM's speculative_config for a `vllm*` method (None: plain decoding); `vllm-cost` drafts by `schedule`
-    (`adaflash.policy_cost.stock_schedule`: drafts per step by batch size)."""
+    (`adaflash.stock_schedule.stock_schedule`: drafts per step by batch size)."""
     if method == "vllm":
         return None
     if method == "vllm-ngram":

@@ -40,7 +40,7 @@ from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 from adaflash.buffer import Round
 from adaflash.dflash_format import dflash_spec, schedule_drafts, vllm_batched_tokens, vllm_cpu_env, vllm_python
 from adaflash.engine import cost_by_default
-from adaflash.policy_cost import LiveProfile, batch_ranges, batch_rates, batch_schedule
+from adaflash.stock_schedule import LiveProfile, batch_ranges, batch_rates, batch_schedule
 
 log = logging.getLogger("adaflash.server")
 
@@ -355,7 +355,7 @@ def build_vllm_engine(cfg, target) -> VLLMEngine:
     schedule, follower, work = None, None, Path(v.work_dir)
     if drafter is not None and vllm_policy(m.policy, target) == "cost":
         from adaflash.cost import load_or_calibrate
-        from adaflash.policy_cost import stock_profile
+        from adaflash.stock_schedule import stock_profile
 
         follower = ScheduleFollower(
             load_or_calibrate(target.model, drafter), stock_profile(drafter, m.drafter), e.max_batch, work / "schedule.json", v.follow_every

@@ -30,16 +30,8 @@ from adaflash.cost import (
     solve_small,
 )
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
-from adaflash.policy_cost import (
-    CostPolicy,
-    LiveProfile,
-    batch_schedule,
-    choose_block,
-    choose_lengths,
-    held_out_profile,
-    plan_drafts,
-    stock_schedule,
-)
+from adaflash.policy_cost import CostPolicy, choose_block, choose_lengths, plan_drafts
+from adaflash.stock_schedule import LiveProfile, batch_schedule, held_out_profile, stock_schedule
 
 CHEAP = {"a": (0.01, 0.001, 0.0001), "d": (0.0005, 0.0001, 0.00001)}  # a machine where drafts pay if accepted at all
 
@@ -498,7 +490,7 @@ def test_stock_schedule_reads_the_drafters_held_out_acceptance(tmp_path, monkeyp
     target = tiny_target()
     drafter = tiny_drafter(target)
     c = linear_cost()
-    monkeypatch.setattr("adaflash.policy_cost.load_or_calibrate", lambda t, d: c)  # the linear machine, not the tiny models timed
+    monkeypatch.setattr("adaflash.stock_schedule.load_or_calibrate", lambda t, d: c)  # the linear machine, not the tiny models timed
     sched = stock_schedule(target, drafter, tmp_path, 16)
     assert sched == batch_schedule(c, 0.5 ** np.arange(1, drafter.block_size), 16, draft_always=True)
 
