@@ -14,6 +14,7 @@ import torch
 from conftest import tiny_drafter, tiny_target
 
 from adaflash.acceptance import AcceptanceModel, Running, block_features, prior_features, round_labels
+from adaflash.choice import choose_block, choose_lengths, plan_drafts
 from adaflash.cost import (
     LONG_CONTEXT,
     LONG_GRID,
@@ -30,7 +31,7 @@ from adaflash.cost import (
     solve_small,
 )
 from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
-from adaflash.policy_cost import CostPolicy, choose_block, choose_lengths, plan_drafts
+from adaflash.policy_cost import CostPolicy
 from adaflash.stock_schedule import LiveProfile, batch_schedule, held_out_profile, stock_schedule
 
 CHEAP = {"a": (0.01, 0.001, 0.0001), "d": (0.0005, 0.0001, 0.00001)}  # a machine where drafts pay if accepted at all
@@ -354,7 +355,7 @@ def test_plan_drafts_matches_brute_force():
 
 
 def _scan_loop(cum, secs, fixed_gain, draft_s, force, extra_s):
-    """Reference for policy_cost._scan: a plain loop over block lengths and prefixes of the ranked drafts."""
+    """Reference for choice._scan: a plain loop over block lengths and prefixes of the ranked drafts."""
     r, n_pos = cum.shape
     best = None if bool(force.any()) else (fixed_gain / float(secs[0]), 0, [0] * r)
     for b in range(2, n_pos + 2):
@@ -379,7 +380,7 @@ def _scan_loop(cum, secs, fixed_gain, draft_s, force, extra_s):
 def test_scan_matches_a_loop_over_blocks_and_prefixes():
     """The vectorised scan picks what a loop over every block length and ranked prefix picks: forced
     requests, per-request context costs and tied acceptances included."""
-    from adaflash.policy_cost import _scan
+    from adaflash.choice import _scan
 
     g = torch.Generator().manual_seed(1)
     for case in range(60):
