@@ -56,7 +56,8 @@ PAYOFF_FORGET = 0.9  # that share: over about the last 10 probes
 PAYOFF_PLANS = 3  # a probe paid where its request then drafted at this many plans in a row, unforced
 # a probe verifies this many drafts (where its request has room): labels to learn from, not a bet. With one draft
 # a probe (position 1 accepted ~0.56 a probe on GSM8K, ~0.41 on MT-Bench) the policy found GSM8K's gain after MT-Bench
-# 5 rounds into it; with three, in the third (docs/benchmarks.md, "A probe verifies three drafts")
+# 5 rounds into it; with three, in the third in one order of the traffic, though over five orders its median rounds
+# stay at plain decoding (docs/benchmarks.md, "A probe verifies three drafts", "After a domain shift")
 PROBE_DRAFTS = 3
 LABEL_BATCH = 32  # labels the acceptance models gather before a refit
 RECENT = 32  # a request's recent rounds whose block-model predictions the plans' block choice reads (`choose_block`) ...

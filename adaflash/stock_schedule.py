@@ -1,8 +1,8 @@
-"""Draft lengths for stock engines (vLLM, SGLang), which fix the number of draft tokens per batch size rather than
-per request: the cost policy's objective (adaflash.policy_cost) for B requests that all draft K tokens with one
-acceptance profile, priced by this machine's step costs (adaflash.cost), and that profile learnt from the traffic a
-stock engine reports (`LiveProfile`). The vLLM backend (server/vllm_backend.py) serves from these schedules and
-re-chooses them as the traffic's profile moves; `adaflash bench` and `adaflash export` write them for a peer.
+"""Draft lengths for a stock engine that fixes the number of draft tokens per batch size rather than per request
+(vLLM's num_speculative_tokens_per_batch_size): the cost policy's objective (adaflash.policy_cost) for B requests
+that all draft K tokens with one acceptance profile, priced by this machine's step costs (adaflash.cost), and that
+profile learnt from the traffic the engine reports (`LiveProfile`). The vLLM backend (server/vllm_backend.py) serves
+from these schedules and re-chooses them as the profile moves; `adaflash bench` prices its `vllm-cost` peer with one.
 """
 
 from __future__ import annotations
