@@ -46,7 +46,8 @@ import numpy as np
 from adaflash.acceptance import AcceptanceModel, Running, block_features, confidence, prior_features, round_labels
 from adaflash.choice import DraftPlan, choose_block, choose_lengths, plan_drafts
 from adaflash.cost import StepCost, load_or_calibrate
-from adaflash.engine import RequestState, VerifyPolicy
+from adaflash.policies import VerifyPolicy
+from adaflash.request import RequestState
 
 PROBE_SYNC = 4  # undrafted requests are probed on every 4th step only, together
 PROBE_SHARE = 8  # at most one request in 8 (or two) is probed in a step

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from adaflash.drafter import DEFAULT_DRAFTER
-from adaflash.engine import Request
+from adaflash.request import Request
 from adaflash.target import bf16_is_fast, load_target
 
 

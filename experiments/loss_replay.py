@@ -127,7 +127,9 @@ def eval_answers(cfg: ReplayConfig, target, out: Path) -> list[dict]:
     """The target's greedy answers to the eval prompts (plain decoding through the engine), cached as JSON."""
     from adaflash.pipelines.prompts import build_prompt_sets, read_prompts
 
-    from adaflash.engine import ARPolicy, Engine, Request
+    from adaflash.engine import Engine
+    from adaflash.policies import ARPolicy
+    from adaflash.request import Request
 
     path, ec = out / "eval_answers.json", cfg.eval
     key = {"target": target.identity, "eval": to_dict(ec), "prompt_sets": str(cfg.prompt_sets)}

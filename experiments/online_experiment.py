@@ -42,7 +42,9 @@ import torch
 from tqdm import tqdm
 
 from adaflash.config import ConfigError, from_dict, to_dict
-from adaflash.engine import Engine, FixedPolicy, HeadPolicy, Request, RequestState
+from adaflash.engine import Engine
+from adaflash.policies import FixedPolicy, HeadPolicy
+from adaflash.request import Request, RequestState
 
 ARMS = ("opd", "osd", "head", "none")  # head: the drafter stays frozen, only its length head learns
 

@@ -23,7 +23,7 @@ import torch
 from adaflash.pipelines.prompts import read_prompts
 from adaflash.pipelines.regenerate import answer_batch, batches, regen_engine
 
-from adaflash.engine import Request
+from adaflash.request import Request
 from adaflash.target import bf16_is_fast, load_target
 
 DOMAINS = ("gsm8k", "code", "magpie_chat", "magpie_writing")

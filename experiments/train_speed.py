@@ -40,7 +40,9 @@ def answers(target, out: Path, per_domain: int, max_new_tokens: int) -> list[dic
     """The target's greedy answers to `per_domain` eval prompts of gsm8k and humaneval, cached as JSON."""
     from adaflash.pipelines.prompts import load_domain
 
-    from adaflash.engine import ARPolicy, Engine, Request
+    from adaflash.engine import Engine
+    from adaflash.policies import ARPolicy
+    from adaflash.request import Request
 
     path = out / "answers.json"
     key = {"target": target.identity, "per_domain": per_domain, "max_new_tokens": max_new_tokens}

@@ -44,8 +44,10 @@ import torch
 from tqdm import tqdm
 
 from adaflash.dflash_format import dflash_spec
-from adaflash.engine import POLICIES, Engine, Request, known_policy, make_policy
+from adaflash.engine import Engine
 from adaflash.layers import prepack
+from adaflash.policies import POLICIES, known_policy, make_policy
+from adaflash.request import Request
 from adaflash.venvs import REPO, venv_python
 
 ENGINE_METHODS = tuple(POLICIES)  # the engine's verify policies (plus fixedK)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from adaflash.buffer import Round
 from adaflash.drafter import Drafter
-from adaflash.engine import Round, single_request_engine
+from adaflash.engine import single_request_engine
 from adaflash.target import Target
 
 

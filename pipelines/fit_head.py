@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from adaflash.engine import Engine, FixedPolicy, Request, RequestState
+from adaflash.engine import Engine
 from adaflash.length_head import LengthHead, LengthHeadConfig, fit_length_head, save_length_head
+from adaflash.policies import FixedPolicy
+from adaflash.request import Request, RequestState
 
 
 def record_full_blocks(

@@ -31,7 +31,9 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
-from adaflash.engine import ARPolicy, Engine, Request
+from adaflash.engine import Engine
+from adaflash.policies import ARPolicy
+from adaflash.request import Request
 from adaflash.spec import sample
 from adaflash.target import Target
 

@@ -31,7 +31,9 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from adaflash.engine import Engine, Request, make_policy
+from adaflash.engine import Engine
+from adaflash.policies import make_policy
+from adaflash.request import Request
 
 log = logging.getLogger("adaflash.server")
 

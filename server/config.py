@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from adaflash.drafter import DEFAULT_DRAFTER, DRAFTER_DTYPES
-from adaflash.engine import POLICY_NAMES, known_policy
+from adaflash.policies import POLICY_NAMES, known_policy
 from adaflash.target import TARGET_DTYPES, TARGET_QUANT_DTYPES
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from adaflash.buffer import ShardWriter
-from adaflash.engine import Engine, Request, RequestState
+from adaflash.engine import Engine
+from adaflash.request import Request, RequestState
 
 log = logging.getLogger("adaflash.server")
 

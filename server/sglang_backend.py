@@ -44,7 +44,7 @@ from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 from adaflash.buffer import Round
 from adaflash.dflash_format import export_dflash
 from adaflash.dflash_sglang import sglang_python, write_sglang_target
-from adaflash.engine import DrafterSlot
+from adaflash.request import DrafterSlot
 
 log = logging.getLogger("adaflash.server")
 

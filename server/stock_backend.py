@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from adaflash.engine import DrafterSlot, Engine, Request, RequestState
+from adaflash.engine import Engine
+from adaflash.request import DrafterSlot, Request, RequestState
 
 log = logging.getLogger("adaflash.server")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per streamed request and health poll otherwise

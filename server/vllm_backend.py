@@ -39,7 +39,7 @@ from adaflash.server.stock_backend import ChildServer, StockEngine, free_port
 
 from adaflash.buffer import Round
 from adaflash.dflash_format import dflash_spec, schedule_drafts, vllm_batched_tokens, vllm_cpu_env, vllm_python
-from adaflash.engine import cost_by_default
+from adaflash.policies import cost_by_default
 from adaflash.stock_schedule import LiveProfile, batch_ranges, batch_rates, batch_schedule
 
 log = logging.getLogger("adaflash.server")
@@ -164,7 +164,7 @@ class VLLMEngine(StockEngine):
     def swap(self, drafter, head=None, version: str = "0") -> None:
         """Load a checked drafter into the running vLLM (between two of its steps); raises if vLLM refuses."""
         from adaflash.dflash_format import export_dflash
-        from adaflash.engine import DrafterSlot
+        from adaflash.request import DrafterSlot
 
         if self.slot.drafter is None:
             raise ValueError("this vLLM server runs without a drafter: nothing to swap")

@@ -9,8 +9,10 @@ import torch
 from adaflash.kernels import attention_cpu as A
 from conftest import greedy_reference, tiny_drafter, tiny_target
 
-from adaflash.engine import Engine, FixedPolicy, Request, single_request_engine
+from adaflash.engine import Engine, single_request_engine
 from adaflash.layers import Linear
+from adaflash.policies import FixedPolicy
+from adaflash.request import Request
 
 pytestmark = pytest.mark.skipif(not A.available(), reason="the C++ attention kernel did not build here (no compiler)")
 

@@ -11,7 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from adaflash.dflash_format import MASK_FILE, export_dflash, is_dflash_dir
 from adaflash.drafter import load_drafter
-from adaflash.engine import Engine, FixedPolicy, Request
+from adaflash.engine import Engine
+from adaflash.policies import FixedPolicy
+from adaflash.request import Request
 from adaflash.target import fingerprint
 
 

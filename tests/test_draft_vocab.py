@@ -15,7 +15,9 @@ from conftest import greedy_reference, tiny_drafter, tiny_target
 from test_spec import _first_token_distribution
 
 from adaflash.drafter import DRAFT_VOCAB, load_drafter
-from adaflash.engine import EMAPolicy, Engine, FixedPolicy, Request, single_request_engine
+from adaflash.engine import Engine, single_request_engine
+from adaflash.policies import EMAPolicy, FixedPolicy
+from adaflash.request import Request
 from adaflash.spec import propose, verify_sampling
 
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 from conftest import greedy_reference, tiny_drafter, tiny_target
 
-from adaflash.engine import ARPolicy, EMAPolicy, Engine, FixedPolicy, HeadPolicy, Request, single_request_engine
+from adaflash.engine import Engine, single_request_engine
 from adaflash.length_head import LengthHead, LengthHeadConfig
+from adaflash.policies import ARPolicy, EMAPolicy, FixedPolicy, HeadPolicy
+from adaflash.request import Request
 
 
 def make_requests(n: int, seed: int, temperature: float = 0.0) -> list[Request]:

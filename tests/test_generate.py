@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import greedy_reference, tiny_drafter, tiny_target
 
-from adaflash.engine import Engine, FixedPolicy, single_request_engine
+from adaflash.engine import Engine, single_request_engine
+from adaflash.policies import FixedPolicy
 
 
 def generate(target, drafter, prompt, max_new, eos, temperature=0.0, seed=0, **kw):

@@ -10,8 +10,10 @@ import pytest
 import torch
 from conftest import greedy_reference, tiny_drafter, tiny_target
 
-from adaflash.engine import ARPolicy, Engine, FixedPolicy, Request, single_request_engine
+from adaflash.engine import Engine, single_request_engine
+from adaflash.policies import ARPolicy, FixedPolicy
 from adaflash.policy_cost import CostPolicy
+from adaflash.request import Request
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -161,7 +161,9 @@ def test_loss_replay_compares_losses_over_seeds_and_leaves_the_buffer_as_it_was(
 
     from adaflash.buffer import ShardWriter
     from adaflash.drafter import load_drafter
-    from adaflash.engine import Engine, FixedPolicy, Request
+    from adaflash.engine import Engine
+    from adaflash.policies import FixedPolicy
+    from adaflash.request import Request
     from adaflash.target import load_target
 
     t = load_target(str(tiny_hf_dir), "float32")

@@ -30,8 +30,10 @@ from adaflash.cost import (
     rows_feature,
     solve_small,
 )
-from adaflash.engine import ARPolicy, DrafterSlot, Engine, Request, RequestState
+from adaflash.engine import Engine
+from adaflash.policies import ARPolicy
 from adaflash.policy_cost import CostPolicy
+from adaflash.request import DrafterSlot, Request, RequestState
 from adaflash.stock_schedule import LiveProfile, batch_schedule, held_out_profile, stock_schedule
 
 CHEAP = {"a": (0.01, 0.001, 0.0001), "d": (0.0005, 0.0001, 0.00001)}  # a machine where drafts pay if accepted at all
@@ -635,7 +637,7 @@ def test_useless_lookup_chains_are_refused():
     """Prompts full of repeats give prompt-lookup chains every step; the tiny target never follows them.
     The cost policy stops verifying them (a probe now and then) and drafts or decodes instead, where
     whole chains are verified every step without it; greedy output stays plain decoding's either way."""
-    from adaflash.engine import FixedPolicy
+    from adaflash.policies import FixedPolicy
 
     target = tiny_target(6)
     drafter = tiny_drafter(target, 6)
@@ -1057,7 +1059,7 @@ def test_evaluate_scores_held_out_requests_only():
 def test_engine_leaves_unselected_requests_undrafted():
     """VerifyPolicy.select: a request the policy leaves out verifies its anchor alone that step, the policy
     sees the rest of the step (prompt-lookup rounds) as `others`, and greedy output stays plain decoding's."""
-    from adaflash.engine import FixedPolicy
+    from adaflash.policies import FixedPolicy
 
     calls = []
 
@@ -1083,7 +1085,7 @@ def test_undrafted_requests_cost_the_drafter_nothing():
     """The drafter cache takes a request's new context only when it drafts: with a policy that drafts
     nobody the drafter is never called, and one that drafts every other step extends each request
     once per drafting step with everything since; output stays plain decoding's either way."""
-    from adaflash.engine import FixedPolicy
+    from adaflash.policies import FixedPolicy
 
     class Every(FixedPolicy):
         def __init__(self, period):
@@ -1241,7 +1243,7 @@ def test_a_prompt_prefilled_in_the_step_does_not_make_drafts_look_cheap():
 
 
 def test_the_engine_tells_the_policy_its_prompts():
-    from adaflash.engine import FixedPolicy
+    from adaflash.policies import FixedPolicy
 
     seen = []
 

@@ -15,7 +15,7 @@ import torch
 from adaflash.pipelines.pretrain import AnswerSet, PretrainConfig, run_stages
 
 from adaflash.config import ConfigError, from_dict, load_config, to_dict
-from adaflash.engine import FixedPolicy
+from adaflash.policies import FixedPolicy
 from adaflash.recipe import block_labels
 
 
@@ -142,7 +142,9 @@ def test_engine_regeneration_matches_padded_decoding(tiny_hf_dir):
     every fed token (the prompt, then all but the last answer token) are the same hidden states."""
     from adaflash.pipelines.regenerate import answer_batch
 
-    from adaflash.engine import ARPolicy, Engine, Request
+    from adaflash.engine import Engine
+    from adaflash.policies import ARPolicy
+    from adaflash.request import Request
     from adaflash.target import load_target
 
     target = load_target(str(tiny_hf_dir), "float32")

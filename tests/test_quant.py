@@ -79,7 +79,9 @@ def test_q4_drafter_drafts_close_to_its_float_self_and_stays_lossless(tmp_path):
     the target's own plain decoding."""
     from adaflash.dflash_format import export_dflash
     from adaflash.drafter import drafter_dtype_of
-    from adaflash.engine import Engine, FixedPolicy, Request
+    from adaflash.engine import Engine
+    from adaflash.policies import FixedPolicy
+    from adaflash.request import Request
 
     target = tiny_target(vocab=96, std=0.2)
     base = tiny_drafter(target).requires_grad_(False)
@@ -326,7 +328,9 @@ def test_int4_target_from_gguf_blocks(tmp_path):
 def test_q4_target_from_gguf_blocks_is_greedy_lossless(tmp_path):
     """The q4 target multiplies with the same Q4_1 blocks (bf16 activations, inputs rounded to int8 per 32):
     close to the float target, and greedy speculation (chain, tree, a batch) equals its own plain decoding."""
-    from adaflash.engine import Engine, FixedPolicy, Request, single_request_engine
+    from adaflash.engine import Engine, single_request_engine
+    from adaflash.policies import FixedPolicy
+    from adaflash.request import Request
 
     model = tiny_target(vocab=96, std=0.2, head_dim=32)  # a head dim the row-invariant attention kernel takes
     values = write_tiny_gguf(tmp_path / "tiny.gguf", model, embd_q8=True)

@@ -20,9 +20,11 @@ from conftest import free_port
 from safetensors.torch import load_file, save_file
 
 from adaflash.drafter import Drafter, DrafterConfig, load_drafter
-from adaflash.engine import Engine, FixedPolicy, Request
+from adaflash.engine import Engine
 from adaflash.length_head import LengthHead, LengthHeadConfig, save_length_head
+from adaflash.policies import FixedPolicy
 from adaflash.registry import Registry, RegistryUnavailable, bootstrap
+from adaflash.request import Request
 from adaflash.target import load_target
 
 _ids = itertools.count()

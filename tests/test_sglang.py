@@ -19,7 +19,7 @@ from conftest import tiny_drafter, tiny_target
 from safetensors.torch import load_file
 
 from adaflash.dflash_sglang import sglang_python, write_sglang_target
-from adaflash.engine import Request
+from adaflash.request import Request
 
 
 def _server(tmp_path, drafter_dir="/d", extra=None) -> SGLangServer:

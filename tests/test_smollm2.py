@@ -59,7 +59,9 @@ def test_greedy_lossless_on_smollm2_in_bf16_activations(dtype):
     speculation (chain, tree with lookup, and 3 requests at once) still equals their own plain decoding."""
     from adaflash.kernels import attention_cpu
 
-    from adaflash.engine import Engine, FixedPolicy, Request
+    from adaflash.engine import Engine
+    from adaflash.policies import FixedPolicy
+    from adaflash.request import Request
 
     if not attention_cpu.available():
         pytest.skip("the C++ attention kernel did not build here (no compiler)")

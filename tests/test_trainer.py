@@ -23,8 +23,10 @@ from adaflash import recipe
 from adaflash.buffer import ShardReader, ShardWriter
 from adaflash.config import from_dict, load_config
 from adaflash.drafter import load_drafter
-from adaflash.engine import Engine, FixedPolicy, Request
+from adaflash.engine import Engine
 from adaflash.length_head import LengthHead, LengthHeadConfig
+from adaflash.policies import FixedPolicy
+from adaflash.request import Request
 from adaflash.target import load_target
 
 REPO = Path(__file__).resolve().parent.parent

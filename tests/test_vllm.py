@@ -24,8 +24,10 @@ from serve_util import running_server, serve_config, wait_version
 from adaflash.buffer import ShardReader
 from adaflash.dflash_format import vllm_python
 from adaflash.drafter import DEFAULT_DRAFTER, load_drafter
-from adaflash.engine import Engine, FixedPolicy, Request
+from adaflash.engine import Engine
+from adaflash.policies import FixedPolicy
 from adaflash.registry import Registry, bootstrap
+from adaflash.request import Request
 from adaflash.target import load_target, stock_hf_dir
 
 try:
