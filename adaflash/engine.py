@@ -245,11 +245,14 @@ class Engine:
                 del st.out[keep:]
                 st.finish_reason = "stop"
 
-    def _first_token(self, st: RequestState, logits: torch.Tensor, feats: torch.Tensor) -> None:
-        """A request prefilled this step: logits [1, V] of its prompt's last token, feats [prompt, n*H]."""
+    def _first_token(self, st: RequestState, logits: torch.Tensor, feats: torch.Tensor, best: int) -> None:
+        """A request prefilled this step: logits [1, V] of its prompt's last token (best: their argmax), feats [prompt, n*H]."""
         if self.keep_context:
             st.add_context(feats)
         st.t_first, st.admitted = time.perf_counter(), True
+        if st.req.temperature <= 0:
+            self._commit(st, [best])
+            return
         e = self._noise(st, 1)
         self._commit(st, [int(pick(logits[-1], st.req.temperature, st.gen, None if e is None else e[0]))])
 
@@ -321,12 +324,17 @@ class Engine:
             secs = self._clock() - t0
             qk = attention_pairs([p.verify_len for p in plans], [p.st.tcache.length - p.verify_len for p in plans])  # prompts: none cached
             self.policy.observe_timing((len(fresh) + len(plans), prompts + tokens, secs, qk), drafted)
-        for p, lg, ft in zip(fresh, logits, feats):
-            self._first_token(p.st, lg, ft)
-        logits, feats = logits[len(fresh) :], feats[len(fresh) :]
+        flat = greedy(logits.flat).tolist()  # [N] every row's argmax, in one call for the whole step
+        best, at = [], 0
+        for lg in logits:
+            best.append(flat[at : at + len(lg)])
+            at += len(lg)
+        for p, lg, ft, b in zip(fresh, logits, feats, best):
+            self._first_token(p.st, lg, ft, b[-1])
+        logits, feats, best = logits[len(fresh) :], feats[len(fresh) :], best[len(fresh) :]
         self.stats["verify_tokens"] += tokens
         self.stats["max_step_tokens"] = max(self.stats["max_step_tokens"], tokens)
-        new_feats = [self._verify(p, lg, ft) for p, lg, ft in zip(plans, logits, feats)]
+        new_feats = [self._verify(p, lg, ft, b) for p, lg, ft, b in zip(plans, logits, feats, best)]
         if plans:
             self.ema_verify_all += self.ema_alpha * (tokens / len(plans) - self.ema_verify_all)
         if self.keep_context:  # the drafter reads them when this request drafts next (_draft)
@@ -449,18 +457,16 @@ class Engine:
             elif p.kind == "plain":
                 p.verify_len = 1
 
-    def _verify(self, p: _Plan, logits: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """Accept (logits [verify_len, V] over [anchor, drafts or nodes]), keep only the committed inputs'
-        K/V in the target cache, record the round and commit; -> those inputs' features [1 + n, n*H]."""
+    def _verify(self, p: _Plan, logits: torch.Tensor, feats: torch.Tensor, best: list[int]) -> torch.Tensor:
+        """Accept (logits [verify_len, V] over [anchor, drafts or nodes], best [verify_len] their argmax), keep only
+        the committed inputs' K/V in the target cache, record the round and commit; -> those inputs' features [1 + n, n*H]."""
         st = p.st
         if p.mask is not None:
-            best = greedy(logits)  # [N+1] the target's greedy token after the anchor and each node (the record)
-            chosen = best
+            chosen = best  # [N+1] the target's greedy token after the anchor and each node (the record)
             if st.req.temperature > 0:  # seeded: a node's token lands at len(out) + its depth
                 depth = p.mask.sum(-1) - 1  # [N+1]
-                chosen = pick(logits, st.req.temperature, None, self._noise(st, int(depth.max()) + 1)[depth])
-            best = best.tolist()
-            path, nxt = walk_tree(p.draft, p.parents, chosen.tolist())
+                chosen = pick(logits, st.req.temperature, None, self._noise(st, int(depth.max()) + 1)[depth]).tolist()
+            path, nxt = walk_tree(p.draft, p.parents, chosen)
             keep = [0] + path  # the anchor, then the accepted nodes
             st.tcache.keep(st.tcache.length - p.verify_len, keep)
             tokens, parents = p.draft.tolist(), p.parents.tolist()
@@ -470,7 +476,7 @@ class Engine:
             target = [best[i] for i in keep[: len(walked)]]  # the target's token after each one's parent
         else:
             k = p.verify_len - 1
-            n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen, self._noise(st, p.verify_len))
+            n, nxt, target = verify(p.draft, p.q, logits, st.req.temperature, st.gen, self._noise(st, p.verify_len), best)
             st.tcache.crop(st.tcache.length - (k - n))  # drop rejected drafts; [last, accepted] stay
             keep = list(range(1 + n))
             draft = p.draft.tolist()

@@ -193,16 +193,19 @@ def verify(
     temperature: float,
     generator: torch.Generator | None,
     e: torch.Tensor | None = None,
+    best: list[int] | None = None,
 ) -> tuple[int, int, list[int]]:
     """One request's round: draft [k], target_logits [k+1, V], a seeded request's noise e [k+1, V] ->
     (accepted drafts, next token, the target's greedy token after each of the first k inputs: what the
     round record keeps, from the same argmax that greedy verification takes; one argmax over 49,152
-    logits per row is not free on a CPU)."""
-    if temperature <= 0 or e is not None:  # greedy, or seeded: the target's own tokens, accepted on lists
+    logits per row is not free on a CPU). best [k+1]: that argmax where the caller took it already (the
+    engine, for a whole step's rows in one call)."""
+    if best is None:
         best = greedy(target_logits).tolist()  # [k+1]
+    if temperature <= 0 or e is not None:  # greedy, or seeded: the target's own tokens, accepted on lists
         chosen = best if temperature <= 0 else pick(target_logits, temperature, None, e).tolist()  # [k+1]
         return (*accept_greedy_tokens(draft.tolist(), chosen), best[:-1])
-    target = greedy(target_logits[:-1]).tolist()
+    target = best[:-1]
     if draft.numel() == 0:  # nothing drafted: a plain sampled step
         return 0, int(pick(target_logits[-1], temperature, generator)), target
     n, nxt = verify_sampling(draft[None], q[None], probs(target_logits[None], temperature), generator)

@@ -161,6 +161,8 @@ def test_prompts_and_verify_rows_share_one_forward():
         ref_logits, ref_feats = model(verify[j][None], ref[j])
         torch.testing.assert_close(logits[i], ref_logits[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(feats[i], ref_feats[0], atol=1e-4, rtol=1e-4)
+    # the engine's one argmax for the whole step reads `flat`: every request's rows, in order
+    assert torch.equal(logits.flat, torch.cat(list(logits))) and logits.flat.shape == (1 + 4 + 1 + 2, model.config.vocab_size)
     assert _segments([12, 4, 7, 2], [True, False, True, False]) == [12, 4, 7, 2]
     assert _segments([3, 30, 2, 50, 4], [False, False, False, True, False]) == [3, 32, 50, 4]  # verify rows in runs of <= 32
 
