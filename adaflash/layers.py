@@ -396,21 +396,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def stack_weights(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """The six weights kernels/stack_cpu.cpp runs this layer with for input x (input norm, fused q/k/v
-        tiles, o tiles, post-attention norm, fused gate/up tiles, down tiles), or None where it does not
-        take the layer: anything but bfloat16 inference on AMX tiles (the same test `fused` and
-        `Linear.forward` apply, so both paths multiply with the same packed weights), or q/k norms."""
+        """The weights kernels/stack_cpu.cpp runs this layer with for bfloat16 input x, or None where it does not
+        take the layer (float32 activations, q/k norms, weights in neither form below). On AMX tiles six
+        (input norm, fused q/k/v tiles, o tiles, post-attention norm, fused gate/up tiles, down tiles:
+        `forward_layers`); on the q4 kernel fourteen (input norm, (packed, d, m) of the fused q/k/v and of o,
+        post-attention norm, (packed, d, m) of the fused gate/up and of down: `forward_layers_q4`). The fused
+        forms are those `fused` and `Linear.forward` multiply with, so both paths use the same weights."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.q_norm is not None or x.dtype != torch.bfloat16:
+        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        if attn.q_norm is not None or x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in norms):
             return None
         qkv, gu = fused_op(attn, attn.same_input(), x), fused_op(mlp, mlp.same_input(), x)
+        q4 = [getattr(m, "q4_weights", None) for m in (qkv, attn.o_proj, gu, mlp.down_proj)]  # quant.Q4Linear's
+        if all(q4):
+            w = [f() for f in q4]
+            return [norms[0], *w[0], *w[1], norms[1], *w[2], *w[3]]
         if not (isinstance(qkv, Fused) and isinstance(gu, Fused)):
             return None
         outs = [attn.o_proj, mlp.down_proj]
         if any(type(m) is not Linear or m.bias is not None or not m._packable(x) for m in outs):
             return None
         packs = [qkv.pack, outs[0]._packed(), gu.pack, outs[1]._packed()]
-        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
-        if not all(isinstance(p, amx_cpu.Packed) for p in packs) or any(w.dtype != torch.bfloat16 for w in norms):
+        if not all(isinstance(p, amx_cpu.Packed) for p in packs):
             return None
         return [norms[0], packs[0].tiles, packs[1].tiles, norms[1], packs[2].tiles, packs[3].tiles]

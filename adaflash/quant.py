@@ -151,6 +151,10 @@ class Q4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel(x, self.packed, self.d, self.m)  # [..., N] in x's dtype
 
+    def q4_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed, d, m) as the kernel takes them: what kernels/stack_cpu.cpp multiplies with (`DecoderLayer.stack_weights`)."""
+        return self.packed, self.d, self.m
+
     @staticmethod
     def fuse(mods: tuple[Q4Linear, ...]) -> Q4Linear:
         """One module over the members' outputs side by side (`layers.fused`): their packed blocks

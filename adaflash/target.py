@@ -258,7 +258,8 @@ class TargetModel(InferenceCaches, nn.Module):
 
     def _stacked(self, x: torch.Tensor, batch: Ragged, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`forward_packed`'s layer loop in one C++ call (kernels/stack_cpu.py), with the Python loop's bits,
-        where every layer and the pool fit it (bfloat16 on AMX, the attention kernel) -> (x [1, N, H],
+        where every layer and the pool fit it (bfloat16 activations, weights on AMX tiles or the q4 kernel, the
+        attention kernel) -> (x [1, N, H],
         features [N, n*H]), else None. x [1, N, H]: the packed tokens' embeddings."""
         if not batch.kernel or batch.pool.dtype != torch.bfloat16 or (ext := stack_cpu.load()) is None:
             return None
@@ -266,7 +267,8 @@ class TargetModel(InferenceCaches, nn.Module):
             return None
         a = self.model.layers[0].self_attn
         pool = batch.pool
-        out, feats = ext.forward_layers(
+        run = ext.forward_layers if len(weights) == 6 * len(self.model.layers) else ext.forward_layers_q4
+        out, feats = run(
             x[0], weights, cos, sin, pool.k, pool.v, batch.tok_slot, batch.tok_pos, batch.req, batch.tree_bits, *batch.ctx,
             a.n_heads, a.n_kv_heads, self.config.rms_norm_eps, a.head_dim**-0.5, attention_cpu.amx_scores(pool.k[0]), self.feature_layers,
         )  # fmt: skip
@@ -279,12 +281,8 @@ class TargetModel(InferenceCaches, nn.Module):
         key = (x.dtype, weights_epoch(), tuple((p.data_ptr(), p._version) for p in params))
         cached = self.__dict__.get("_stack")
         if cached is None or cached[0] != key:
-            weights = []
-            for layer in self.model.layers:
-                if (w := layer.stack_weights(x)) is None:
-                    weights = None
-                    break
-                weights += w
+            per = [layer.stack_weights(x) for layer in self.model.layers]  # one form for every layer, or the Python loop
+            weights = None if any(w is None for w in per) or len({len(w) for w in per}) != 1 else [t for w in per for t in w]
             self.__dict__["_stack_params"] = list(self.parameters())
             self.__dict__["_stack"] = cached = (key, weights)
         return cached[1]

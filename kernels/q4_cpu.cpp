@@ -320,7 +320,9 @@ torch::Tensor q4_linear(torch::Tensor x_in, torch::Tensor packed, torch::Tensor 
 // which integer dot products this build runs: "avx512-vnni", "avx2" or "portable"
 std::string isa() { return Q4_VNNI ? "avx512-vnni" : (Q4_AVX2 ? "avx2" : "portable"); }
 
+#ifndef ADAFLASH_NO_MODULE  // kernels/stack_cpu.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &q4_linear, "Q4_1 / Q8_0 weights x int8-quantised activations, row-invariant (CPU)");
   mod.def("isa", &isa, "which integer dot products this build runs: avx512-vnni, avx2 or portable");
 }
+#endif

@@ -1,12 +1,15 @@
-"""A bfloat16 model's decoder layers in one C++ call for CPU inference on AMX (stack_cpu.cpp).
+"""A bfloat16 model's decoder layers in one C++ call for CPU inference (stack_cpu.cpp), its projections on AMX
+tiles (`forward_layers`) or on the q4 kernel (`forward_layers_q4`).
 
 Why: the AMX matmuls and the attention kernel left a SmolLM2 step at concurrency 32 (one token per
 request) with 13.5 ms of matmuls, 10 ms of attention and about 20 ms of Python and PyTorch dispatch
 around them: some 700 small calls a step (norms, rotary, K/V writes, SwiGLU, residual adds, views).
+The q4 target on a CPU without AMX had the same overhead around its kernels (docs/benchmarks.md).
 The C++ loop calls the same kernels and ATen ops in the same order, so its bits are the Python loop's
 (tests/test_stack_kernel.py); it also lets go of the GIL while it runs. `TargetModel.forward_packed`
 takes it where every piece fits (`layers.DecoderLayer.stack_weights`, a bfloat16 pool on the attention
-kernel) and keeps the Python loop elsewhere (float32, q4, GPUs, training, no AMX, ADAFLASH_KERNELS=torch).
+kernel) and keeps the Python loop elsewhere (float32 activations, GPUs, training, bfloat16 weights without
+AMX, ADAFLASH_KERNELS=torch).
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from adaflash.kernels import amx_cpu
 from adaflash.kernels.cpu_build import build
 
 SOURCE = Path(__file__).with_name("stack_cpu.cpp")
 
 
 def load():
-    """The compiled extension, or None: no AMX, no compiler, or ADAFLASH_KERNELS=torch."""
-    if os.environ.get("ADAFLASH_KERNELS", "auto") == "torch" or not amx_cpu.available():
+    """The compiled extension, or None: no compiler, or ADAFLASH_KERNELS=torch. (Its AMX form runs only where
+    `amx_cpu.available()`: `stack_weights` gives AMX tiles only there.)"""
+    if os.environ.get("ADAFLASH_KERNELS", "auto") == "torch":
         return None
     return build("stack_cpu", SOURCE, "the decoder layers run op by op from Python (same bits, more time per step)")

@@ -1,17 +1,19 @@
 """The decoder layers in one C++ call (kernels/stack_cpu.cpp) against the Python layer loop, bit for bit.
 
-`TargetModel.forward_packed` takes the C++ loop for a bfloat16 model on AMX tiles; it must give exactly
-what the Python loop gives (logits, features, the K/V it writes), or greedy verification would no longer
-be plain decoding. Runs where the CPU has AMX; elsewhere the Python loop is the only path and these skip.
+`TargetModel.forward_packed` takes the C++ loop for a bfloat16 model on AMX tiles or with q4 projections; it
+must give exactly what the Python loop gives (logits, features, the K/V it writes), or greedy verification
+would no longer be plain decoding. The AMX tests run where the CPU has AMX, the q4 test where the q4 kernel
+builds; elsewhere the Python loop is the only path and they skip.
 """
 
 import pytest
 import torch
-from adaflash.kernels import amx_cpu, stack_cpu
+from adaflash.kernels import amx_cpu, q4_cpu, stack_cpu
 from conftest import tiny_target
 from torch import nn
 
-pytestmark = pytest.mark.skipif(stack_cpu.load() is None, reason="no AMX on this CPU (or the kernel did not build)")
+needs_amx = pytest.mark.skipif(stack_cpu.load() is None or not amx_cpu.available(), reason="no AMX here (or no kernel build)")
+needs_q4 = pytest.mark.skipif(stack_cpu.load() is None or q4_cpu.load() is None, reason="the q4 or the stack kernel did not build here")
 
 
 def bf16_target():
@@ -36,13 +38,28 @@ def run(model, use_stack: bool, monkeypatch, steps):
         return outs, kv
 
 
-def test_stack_gives_the_python_loops_bits(monkeypatch):
+def q4_target():
+    """bf16_target with every projection a Q4Linear of its own weights (quant.q4_1_quantise: llama.cpp's Q4_1)."""
+    from adaflash.quant import PROJECTIONS, Q4Linear, _swap, q4_1_quantise
+
     model = bf16_target()
+    for i in range(len(model.model.layers)):
+        for p in PROJECTIONS.values():
+            path = f"model.layers.{i}.{p}"
+            _swap(model, path, Q4Linear(*q4_1_quantise(model.get_submodule(path).weight.float())))
+    return model
+
+
+def steps_of_every_kind():
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # two branches
-    steps = [
+    return [
         ([torch.tensor([5]) for _ in range(5)], None),  # plain decoding
         ([torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (4, 2, 4, 1, 3)], [tree, None, None, None, None]),
     ]
+
+
+def same_bits(model, monkeypatch):
+    steps = steps_of_every_kind()
     with_stack, kv_stack = run(model, True, monkeypatch, steps)
     without, kv_plain = run(model, False, monkeypatch, steps)
     assert len(with_stack) == len(without)
@@ -52,6 +69,32 @@ def test_stack_gives_the_python_loops_bits(monkeypatch):
         assert torch.equal(a, b)
 
 
+@needs_amx
+def test_stack_gives_the_python_loops_bits(monkeypatch):
+    same_bits(bf16_target(), monkeypatch)
+
+
+@needs_q4
+def test_q4_stack_gives_the_python_loops_bits(monkeypatch):
+    """A q4 target with bfloat16 activations (the CPU default without AMX) takes the q4 form of the loop, with the
+    Python loop's bits: prefill, plain decoding, mixed verify lengths and a token tree."""
+    model = q4_target()
+    ext = stack_cpu.load()
+    calls = []
+
+    class Counting:
+        def forward_layers_q4(self, *args):
+            calls.append(1)
+            return ext.forward_layers_q4(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(stack_cpu, "load", lambda: Counting())
+        model.forward_packed([torch.tensor([1, 2, 3])], [model.new_cache(1, 16)])
+    assert calls == [1]
+    same_bits(model, monkeypatch)
+
+
+@needs_amx
 def test_stack_is_taken_and_follows_weight_changes(monkeypatch):
     """The C++ loop runs for a bfloat16 model on AMX, and a weight changed in place or a new Parameter
     assigned after a forward is what the next forward multiplies with (its packed weights are rebuilt)."""
