@@ -400,7 +400,7 @@ class DecoderLayer(nn.Module):
         take the layer (float32 activations, q/k norms, weights in neither form below). On AMX tiles six
         (input norm, fused q/k/v tiles, o tiles, post-attention norm, fused gate/up tiles, down tiles:
         `forward_layers`); on the q4 kernel fourteen (input norm, (packed, d, m) of the fused q/k/v and of o,
-        post-attention norm, (packed, d, m) of the fused gate/up and of down: `forward_layers_q4`). The fused
+        post-attention norm, (packed, d, m) of the fused gate/up and of down). The fused
         forms are those `fused` and `Linear.forward` multiply with, so both paths use the same weights."""
         attn, mlp = self.self_attn, self.mlp
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]

@@ -267,8 +267,7 @@ class TargetModel(InferenceCaches, nn.Module):
             return None
         a = self.model.layers[0].self_attn
         pool = batch.pool
-        run = ext.forward_layers if len(weights) == 6 * len(self.model.layers) else ext.forward_layers_q4
-        out, feats = run(
+        out, feats = ext.forward_layers(
             x[0], weights, cos, sin, pool.k, pool.v, batch.tok_slot, batch.tok_pos, batch.req, batch.tree_bits, *batch.ctx,
             a.n_heads, a.n_kv_heads, self.config.rms_norm_eps, a.head_dim**-0.5, attention_cpu.amx_scores(pool.k[0]), self.feature_layers,
         )  # fmt: skip

@@ -55,20 +55,31 @@ void write_kv(const torch::Tensor& kv, int64_t row_stride, torch::Tensor& pool, 
 
 }  // namespace
 
-namespace {
-
-// the layer loop of both forms: `linear(l, p, input)` multiplies input [N, K] bf16 with layer l's projection p
-// (0: fused q/k/v, 1: o, 2: fused gate/up, 3: down) -> [N, Nout] bf16; norms: 2 per layer (input, post-attention)
-template <typename Linear>
-std::vector<torch::Tensor> layers_loop(torch::Tensor x, const std::vector<torch::Tensor>& norms, Linear linear, const torch::Tensor& cos,
-                                       const torch::Tensor& sin, std::vector<torch::Tensor>& pool_k, std::vector<torch::Tensor>& pool_v,
-                                       const torch::Tensor& slot, const torch::Tensor& pos, const torch::Tensor& req, const torch::Tensor& trees,
-                                       const torch::Tensor& ctx, const torch::Tensor& ctx_off, int64_t hq, int64_t hkv, double eps, double scale,
-                                       bool amx_scores, const std::vector<int64_t>& features) {
-  const int64_t layers = static_cast<int64_t>(pool_k.size()), n = x.size(0), d = cos.size(3);
+// x [N, H] bf16, the packed tokens' embeddings; weights, per layer either 6 for AMX tiles (input norm [H], fused
+// q/k/v tiles, o tiles, post-attention norm [H], fused gate/up tiles, down tiles; amx_cpu.Packed layout) or 14 for
+// the q4 kernel (input norm, (packed, d, m) of the fused q/k/v and of o, post-attention norm, (packed, d, m) of the
+// fused gate/up and of down; q4_cpu's layout); cos, sin [1, 1, N, D] bf16; pool_k, pool_v: per layer [R, Hkv, C, D]
+// bf16; slot, pos [N] int64 (kvcache.packed_slots); req, trees, ctx, ctx_off: as ragged_attention takes them.
+// -> (x after the last layer [N, H], the outputs of the layers in `features` side by side [N, len(features) * H]).
+std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
+                                          std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot,
+                                          torch::Tensor pos, torch::Tensor req, torch::Tensor trees, torch::Tensor ctx,
+                                          torch::Tensor ctx_off, int64_t hq, int64_t hkv, double eps, double scale, bool amx_scores,
+                                          std::vector<int64_t> features) {
+  const int64_t layers = static_cast<int64_t>(pool_k.size());
+  const int64_t per = layers ? static_cast<int64_t>(weights.size()) / layers : 0;
+  TORCH_CHECK(layers && (per == 6 || per == 14) && per * layers == static_cast<int64_t>(weights.size()),
+              "forward_layers: 6 (AMX) or 14 (q4) weights per layer");
+  const bool q4 = per == 14;
+  const int64_t post = q4 ? 7 : 3;  // the post-attention norm's place in a layer's weights (the input norm's: 0)
+  static constexpr int64_t amx_at[4] = {1, 2, 4, 5}, q4_at[4] = {1, 4, 8, 11};  // each projection's (first) place there
+  auto linear = [&](int64_t l, int p, const torch::Tensor& in) {
+    const torch::Tensor* w = weights.data() + per * l + (q4 ? q4_at[p] : amx_at[p]);
+    return q4 ? q4_k::q4_linear(in, w[0], w[1], w[2]) : amx_k::amx_linear(in, w[0]);
+  };
+  const int64_t n = x.size(0), d = cos.size(3);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "forward_layers: x must be bf16 [N, H]");
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(pool_v.size()) == layers,
-              "forward_layers: 2 norms and one K and V pool per layer");
+  TORCH_CHECK(static_cast<int64_t>(pool_v.size()) == layers, "forward_layers: one K and V pool per layer");
   TORCH_CHECK(slot.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && slot.is_contiguous() && pos.is_contiguous() &&
                   slot.numel() == n && pos.numel() == n,
               "forward_layers: slot and pos must be contiguous int64 [N]");
@@ -83,7 +94,7 @@ std::vector<torch::Tensor> layers_loop(torch::Tensor x, const std::vector<torch:
   std::vector<torch::Tensor> feats;
   x = x.contiguous();
   for (int64_t l = 0; l < layers; ++l) {
-    auto qkv = linear(l, 0, norm_k::rms_norm(x, norms[2 * l], eps));  // [N, (Hq + 2 Hkv) D]
+    auto qkv = linear(l, 0, norm_k::rms_norm(x, weights[per * l], eps));  // [N, (Hq + 2 Hkv) D]
     auto q = norm_k::rope(qkv.narrow(1, 0, qw).view({1, n, hq, d}), cos, sin);  // [1, N, Hq, D]
     auto k = norm_k::rope(qkv.narrow(1, qw, kw).view({1, n, hkv, d}), cos, sin);  // [1, N, Hkv, D]
     write_kv(k[0], kw, pool_k[l], sp, pp);
@@ -91,7 +102,7 @@ std::vector<torch::Tensor> layers_loop(torch::Tensor x, const std::vector<torch:
     auto att = attn_k::ragged_attention(q.view({n, hq, d}).to(torch::kFloat).contiguous(), pool_k[l], pool_v[l], req, trees, ctx, ctx_off,
                                         scale, amx_scores);  // [N, Hq, D] f32
     x = x + linear(l, 1, att.view({n, qw}).to(torch::kBFloat16));
-    auto gu = linear(l, 2, norm_k::rms_norm(x, norms[2 * l + 1], eps));  // [N, 2I]
+    auto gu = linear(l, 2, norm_k::rms_norm(x, weights[per * l + post], eps));  // [N, 2I]
     const int64_t inter = gu.size(1) / 2;
     auto act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);  // [N, I]
     x = x + linear(l, 3, act);
@@ -100,48 +111,6 @@ std::vector<torch::Tensor> layers_loop(torch::Tensor x, const std::vector<torch:
   return {x, feats.empty() ? x.new_empty({n, 0}) : at::cat(feats, 1)};
 }
 
-}  // namespace
-
-// x [N, H] bf16, the packed tokens' embeddings; weights: 6 per layer (input norm [H], fused q/k/v tiles,
-// o tiles, post-attention norm [H], fused gate/up tiles, down tiles; amx_cpu.Packed layout); cos, sin
-// [1, 1, N, D] bf16; pool_k, pool_v: per layer [R, Hkv, C, D] bf16; slot, pos [N] int64 (kvcache.packed_slots);
-// req, trees, ctx, ctx_off: as ragged_attention takes them. -> (x after the last layer [N, H], the
-// outputs of the layers in `features` side by side [N, len(features) * H]).
-std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
-                                          std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot,
-                                          torch::Tensor pos, torch::Tensor req, torch::Tensor trees, torch::Tensor ctx,
-                                          torch::Tensor ctx_off, int64_t hq, int64_t hkv, double eps, double scale, bool amx_scores,
-                                          std::vector<int64_t> features) {
-  const int64_t layers = static_cast<int64_t>(pool_k.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * layers, "forward_layers: 6 weights per layer");
-  std::vector<torch::Tensor> norms;
-  for (int64_t l = 0; l < layers; ++l) norms.insert(norms.end(), {weights[6 * l], weights[6 * l + 3]});
-  static constexpr int64_t at_[4] = {1, 2, 4, 5};  // the projections' places among a layer's six
-  auto linear = [&](int64_t l, int p, const torch::Tensor& in) { return amx_k::amx_linear(in, weights[6 * l + at_[p]]); };
-  return layers_loop(x, norms, linear, cos, sin, pool_k, pool_v, slot, pos, req, trees, ctx, ctx_off, hq, hkv, eps, scale, amx_scores, features);
-}
-
-// The same loop with every projection on the q4 kernel: weights 14 per layer (input norm [H], then (packed, d, m)
-// of the fused q/k/v, o, and post-attention norm [H], then (packed, d, m) of the fused gate/up and down: q4_cpu's
-// layout); the rest as forward_layers.
-std::vector<torch::Tensor> forward_layers_q4(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
-                                             std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot,
-                                             torch::Tensor pos, torch::Tensor req, torch::Tensor trees, torch::Tensor ctx,
-                                             torch::Tensor ctx_off, int64_t hq, int64_t hkv, double eps, double scale, bool amx_scores,
-                                             std::vector<int64_t> features) {
-  const int64_t layers = static_cast<int64_t>(pool_k.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 14 * layers, "forward_layers_q4: 14 weights per layer");
-  std::vector<torch::Tensor> norms;
-  for (int64_t l = 0; l < layers; ++l) norms.insert(norms.end(), {weights[14 * l], weights[14 * l + 7]});
-  static constexpr int64_t at_[4] = {1, 4, 8, 11};  // where each projection's (packed, d, m) start among a layer's 14
-  auto linear = [&](int64_t l, int p, const torch::Tensor& in) {
-    const torch::Tensor* w = weights.data() + 14 * l + at_[p];
-    return q4_k::q4_linear(in, w[0], w[1], w[2]);
-  };
-  return layers_loop(x, norms, linear, cos, sin, pool_k, pool_v, slot, pos, req, trees, ctx, ctx_off, hq, hkv, eps, scale, amx_scores, features);
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward_layers", &forward_layers, "a bf16 model's decoder layers over a packed ragged batch in one call (CPU, AMX)");
-  m.def("forward_layers_q4", &forward_layers_q4, "the same with the projections on the q4 kernel (CPU, bf16 activations)");
+  m.def("forward_layers", &forward_layers, "a bf16 model's decoder layers over a packed ragged batch in one call (CPU; AMX or q4 projections)");
 }

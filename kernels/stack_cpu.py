@@ -1,5 +1,5 @@
-"""A bfloat16 model's decoder layers in one C++ call for CPU inference (stack_cpu.cpp), its projections on AMX
-tiles (`forward_layers`) or on the q4 kernel (`forward_layers_q4`).
+"""A bfloat16 model's decoder layers in one C++ call for CPU inference (stack_cpu.cpp `forward_layers`), its
+projections on AMX tiles or on the q4 kernel.
 
 Why: the AMX matmuls and the attention kernel left a SmolLM2 step at concurrency 32 (one token per
 request) with 13.5 ms of matmuls, 10 ms of attention and about 20 ms of Python and PyTorch dispatch

@@ -83,14 +83,14 @@ def test_q4_stack_gives_the_python_loops_bits(monkeypatch):
     calls = []
 
     class Counting:
-        def forward_layers_q4(self, *args):
-            calls.append(1)
-            return ext.forward_layers_q4(*args)
+        def forward_layers(self, x, weights, *args):
+            calls.append(len(weights))
+            return ext.forward_layers(x, weights, *args)
 
     with monkeypatch.context() as m:
         m.setattr(stack_cpu, "load", lambda: Counting())
         model.forward_packed([torch.tensor([1, 2, 3])], [model.new_cache(1, 16)])
-    assert calls == [1]
+    assert calls == [14 * len(model.model.layers)]  # the q4 form
     same_bits(model, monkeypatch)
 
 
