@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adaflash.kernels import amx_cpu, norm_rope_cpu
+from adaflash.kernels import amx_cpu, attention_cpu, norm_rope_cpu, stack_cpu
 
 _EPOCH = itertools.count()
 _epoch = next(_EPOCH)
@@ -396,22 +396,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def stack_weights(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """The weights kernels/stack_cpu.cpp runs this layer with for bfloat16 input x, or None where it does not
-        take the layer (float32 activations, q/k norms, weights in neither form below). On AMX tiles six
+        """The weights kernels/stack_cpu.cpp runs this layer with for input x, or None where it does not take the
+        layer (q/k norms, norms not in x's dtype, weights in neither form below). On AMX tiles (bfloat16) six
         (input norm, fused q/k/v tiles, o tiles, post-attention norm, fused gate/up tiles, down tiles:
         `forward_layers`); on the q4 kernel fourteen (input norm, (packed, d, m) of the fused q/k/v and of o,
-        post-attention norm, (packed, d, m) of the fused gate/up and of down). The fused
+        post-attention norm, (packed, d, m) of the fused gate/up and of down; bfloat16 or float32). The fused
         forms are those `fused` and `Linear.forward` multiply with, so both paths use the same weights."""
         attn, mlp = self.self_attn, self.mlp
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
-        if attn.q_norm is not None or x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in norms):
+        if attn.q_norm is not None or x.dtype not in (torch.bfloat16, torch.float32) or any(w.dtype != x.dtype for w in norms):
             return None
         qkv, gu = fused_op(attn, attn.same_input(), x), fused_op(mlp, mlp.same_input(), x)
         q4 = [getattr(m, "q4_weights", None) for m in (qkv, attn.o_proj, gu, mlp.down_proj)]  # quant.Q4Linear's
         if all(q4):
             w = [f() for f in q4]
             return [norms[0], *w[0], *w[1], norms[1], *w[2], *w[3]]
-        if not (isinstance(qkv, Fused) and isinstance(gu, Fused)):
+        if x.dtype != torch.bfloat16 or not (isinstance(qkv, Fused) and isinstance(gu, Fused)):
             return None
         outs = [attn.o_proj, mlp.down_proj]
         if any(type(m) is not Linear or m.bias is not None or not m._packable(x) for m in outs):
@@ -420,3 +420,35 @@ class DecoderLayer(nn.Module):
         if not all(isinstance(p, amx_cpu.Packed) for p in packs):
             return None
         return [norms[0], packs[0].tiles, packs[1].tiles, norms[1], packs[2].tiles, packs[3].tiles]
+
+
+def stacked_layers(owner: nn.Module, layers, x: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor, eps: float, features=()):
+    """`layers` (DecoderLayers of `owner`, the target or the drafter) over the packed rows x [N, H] of a ragged
+    batch (kvcache.Ragged) in one C++ call (kernels/stack_cpu.py), with the Python layer loop's bits, where every
+    layer and the pool fit it (bfloat16 weights on AMX tiles, or q4 weights with bfloat16 or float32 activations; the
+    attention kernel)
+    -> (x [N, H] after the last layer, the outputs of the layers in `features` side by side [N, n*H]), else None.
+    cos, sin [1, 1, N, D]: the rows' rotary tables."""
+    if not batch.kernel or batch.pool.dtype != x.dtype or (ext := stack_cpu.load()) is None:
+        return None
+    if (weights := _stack_weights(owner, layers, x)) is None:
+        return None
+    a, pool = layers[0].self_attn, batch.pool
+    return ext.forward_layers(
+        x, weights, cos, sin, pool.k, pool.v, batch.tok_slot, batch.tok_pos, batch.req, batch.tree_bits, *batch.ctx,
+        a.n_heads, a.n_kv_heads, eps, a.head_dim**-0.5, attention_cpu.amx_scores(pool.k[0]), list(features),
+    )  # fmt: skip
+
+
+def _stack_weights(owner: nn.Module, layers, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every layer's `stack_weights` for x, cached on `owner` (30 layers' checks took 2 ms of a 33 ms step) until a
+    weight changes in place or a parameter is assigned anywhere (`weights_epoch`)."""
+    params = owner.__dict__.get("_stack_params") or list(owner.parameters())
+    key = (x.dtype, weights_epoch(), tuple((p.data_ptr(), p._version) for p in params))
+    cached = owner.__dict__.get("_stack")
+    if cached is None or cached[0] != key:
+        per = [layer.stack_weights(x) for layer in layers]  # one form for every layer, or the Python loop
+        weights = None if any(w is None for w in per) or len({len(w) for w in per}) != 1 else [t for w in per for t in w]
+        owner.__dict__["_stack_params"] = list(owner.parameters())
+        owner.__dict__["_stack"] = cached = (key, weights)
+    return cached[1]

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaflash.kernels import attention_cpu, stack_cpu
+from adaflash.kernels import attention_cpu
 from adaflash.kvcache import KVCache, KVPool, Ragged, one_block, pool_of
-from adaflash.layers import DecoderLayer, InferenceCaches, Linear, RMSNorm, Rotary, prepack, prompt_rows, weights_epoch
+from adaflash.layers import DecoderLayer, InferenceCaches, Linear, RMSNorm, Rotary, prepack, prompt_rows, stacked_layers
 
 
 def _segments(lens: list[int], prompt: list[bool], chunk: int = 32) -> list[int]:
@@ -230,9 +230,9 @@ class TargetModel(InferenceCaches, nn.Module):
         batch = Ragged(caches, starts, lens, causal=True, trees=trees)
         cos, sin = self.rotary(torch.cat(pos, dim=1), self.dtype)  # [1, 1, N, D]
         x = self.model.embed_tokens(torch.cat(tokens)[None])  # [1, N, H]
-        stacked = self._stacked(x, batch, cos, sin)
+        stacked = stacked_layers(self, self.model.layers, x[0], batch, cos, sin, self.config.rms_norm_eps, self.feature_layers)
         if stacked is not None:
-            x, feats = stacked  # [1, N, H], [N, n*H]
+            x, feats = stacked[0][None], stacked[1]  # [1, N, H], [N, n*H]
         else:
             feats = []
             with prompt_rows(_segments(lens, last_only)) if any(last_only) else contextlib.nullcontext():  # each prompt in one call
@@ -255,36 +255,6 @@ class TargetModel(InferenceCaches, nn.Module):
         idx = torch.tensor([i for r in rows for i in r], device=dev)  # [rows kept]
         logits = self.lm_head(self.model.norm(x[0, idx])).float()  # [rows kept, V]
         return PackedLogits(logits, [len(r) for r in rows]), feats
-
-    def _stacked(self, x: torch.Tensor, batch: Ragged, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`forward_packed`'s layer loop in one C++ call (kernels/stack_cpu.py), with the Python loop's bits,
-        where every layer and the pool fit it (bfloat16 activations, weights on AMX tiles or the q4 kernel, the
-        attention kernel) -> (x [1, N, H],
-        features [N, n*H]), else None. x [1, N, H]: the packed tokens' embeddings."""
-        if not batch.kernel or batch.pool.dtype != torch.bfloat16 or (ext := stack_cpu.load()) is None:
-            return None
-        if (weights := self._stack_weights(x)) is None:
-            return None
-        a = self.model.layers[0].self_attn
-        pool = batch.pool
-        out, feats = ext.forward_layers(
-            x[0], weights, cos, sin, pool.k, pool.v, batch.tok_slot, batch.tok_pos, batch.req, batch.tree_bits, *batch.ctx,
-            a.n_heads, a.n_kv_heads, self.config.rms_norm_eps, a.head_dim**-0.5, attention_cpu.amx_scores(pool.k[0]), self.feature_layers,
-        )  # fmt: skip
-        return out[None], feats
-
-    def _stack_weights(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every layer's `stack_weights` for x, cached (30 layers' checks took 2 ms of a 33 ms step) until a
-        weight changes in place or a parameter is assigned anywhere (`layers.weights_epoch`)."""
-        params = self.__dict__.get("_stack_params") or list(self.parameters())
-        key = (x.dtype, weights_epoch(), tuple((p.data_ptr(), p._version) for p in params))
-        cached = self.__dict__.get("_stack")
-        if cached is None or cached[0] != key:
-            per = [layer.stack_weights(x) for layer in self.model.layers]  # one form for every layer, or the Python loop
-            weights = None if any(w is None for w in per) or len({len(w) for w in per}) != 1 else [t for w in per for t in w]
-            self.__dict__["_stack_params"] = list(self.parameters())
-            self.__dict__["_stack"] = cached = (key, weights)
-        return cached[1]
 
 
 @dataclass

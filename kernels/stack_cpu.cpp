@@ -42,24 +42,24 @@ namespace norm_k {
 
 namespace {
 
-// the step's K or V ([N, Hkv, D], any row stride, contiguous heads) into one layer's pool [R, Hkv, C, D]:
-// token i at pool row slot[i], cache slot pos[i] (what `Ragged.attend`'s indexed assignment does)
+// the step's K or V ([N, Hkv, D], any row stride, contiguous heads) into one layer's pool [R, Hkv, C, D] of the
+// same dtype: token i at pool row slot[i], cache slot pos[i] (what `Ragged.attend`'s indexed assignment does)
+template <typename T>
 void write_kv(const torch::Tensor& kv, int64_t row_stride, torch::Tensor& pool, const int64_t* slot, const int64_t* pos) {
   const int64_t n = kv.size(0), hkv = pool.size(1), cap = pool.size(2), d = pool.size(3);
-  const at::BFloat16* src = kv.data_ptr<at::BFloat16>();
-  at::BFloat16* dst = pool.data_ptr<at::BFloat16>();
+  const T* src = kv.data_ptr<T>();
+  T* dst = pool.data_ptr<T>();
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < hkv; ++h)
-      std::memcpy(dst + ((slot[i] * hkv + h) * cap + pos[i]) * d, src + i * row_stride + h * d, d * sizeof(at::BFloat16));
+    for (int64_t h = 0; h < hkv; ++h) std::memcpy(dst + ((slot[i] * hkv + h) * cap + pos[i]) * d, src + i * row_stride + h * d, d * sizeof(T));
 }
 
 }  // namespace
 
-// x [N, H] bf16, the packed tokens' embeddings; weights, per layer either 6 for AMX tiles (input norm [H], fused
+// x [N, H] bf16 (float32 with q4 weights), the packed tokens' embeddings; weights, per layer either 6 for AMX tiles (input norm [H], fused
 // q/k/v tiles, o tiles, post-attention norm [H], fused gate/up tiles, down tiles; amx_cpu.Packed layout) or 14 for
 // the q4 kernel (input norm, (packed, d, m) of the fused q/k/v and of o, post-attention norm, (packed, d, m) of the
-// fused gate/up and of down; q4_cpu's layout); cos, sin [1, 1, N, D] bf16; pool_k, pool_v: per layer [R, Hkv, C, D]
-// bf16; slot, pos [N] int64 (kvcache.packed_slots); req, trees, ctx, ctx_off: as ragged_attention takes them.
+// fused gate/up and of down; q4_cpu's layout); cos, sin [1, 1, N, D] and pool_k, pool_v (per layer [R, Hkv, C, D])
+// in x's dtype; slot, pos [N] int64 (kvcache.packed_slots); req, trees, ctx, ctx_off: as ragged_attention takes them.
 // -> (x after the last layer [N, H], the outputs of the layers in `features` side by side [N, len(features) * H]).
 std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                                           std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot,
@@ -78,15 +78,16 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
     return q4 ? q4_k::q4_linear(in, w[0], w[1], w[2]) : amx_k::amx_linear(in, w[0]);
   };
   const int64_t n = x.size(0), d = cos.size(3);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "forward_layers: x must be bf16 [N, H]");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == torch::kBFloat16 || (q4 && dt == torch::kFloat)) && x.dim() == 2, "forward_layers: x must be bf16 [N, H] (or float32 with q4)");
   TORCH_CHECK(static_cast<int64_t>(pool_v.size()) == layers, "forward_layers: one K and V pool per layer");
   TORCH_CHECK(slot.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && slot.is_contiguous() && pos.is_contiguous() &&
                   slot.numel() == n && pos.numel() == n,
               "forward_layers: slot and pos must be contiguous int64 [N]");
   for (int64_t l = 0; l < layers; ++l)
-    TORCH_CHECK(pool_k[l].scalar_type() == torch::kBFloat16 && pool_v[l].scalar_type() == torch::kBFloat16 && pool_k[l].is_contiguous() &&
-                    pool_v[l].is_contiguous() && pool_k[l].size(1) == hkv && pool_k[l].size(3) == d,
-                "forward_layers: the pool must be contiguous bf16 [R, Hkv, C, D]");
+    TORCH_CHECK(pool_k[l].scalar_type() == dt && pool_v[l].scalar_type() == dt && pool_k[l].is_contiguous() && pool_v[l].is_contiguous() &&
+                    pool_k[l].size(1) == hkv && pool_k[l].size(3) == d,
+                "forward_layers: the pool must be contiguous [R, Hkv, C, D] in x's dtype");
   pybind11::gil_scoped_release free_python;  // ATen alone from here: the server's other threads run meanwhile
   const int64_t* sp = slot.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -97,11 +98,12 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
     auto qkv = linear(l, 0, norm_k::rms_norm(x, weights[per * l], eps));  // [N, (Hq + 2 Hkv) D]
     auto q = norm_k::rope(qkv.narrow(1, 0, qw).view({1, n, hq, d}), cos, sin);  // [1, N, Hq, D]
     auto k = norm_k::rope(qkv.narrow(1, qw, kw).view({1, n, hkv, d}), cos, sin);  // [1, N, Hkv, D]
-    write_kv(k[0], kw, pool_k[l], sp, pp);
-    write_kv(qkv.narrow(1, qw + kw, kw), qkv.stride(0), pool_v[l], sp, pp);
+    const auto write = dt == torch::kFloat ? write_kv<float> : write_kv<at::BFloat16>;
+    write(k[0], kw, pool_k[l], sp, pp);
+    write(qkv.narrow(1, qw + kw, kw), qkv.stride(0), pool_v[l], sp, pp);
     auto att = attn_k::ragged_attention(q.view({n, hq, d}).to(torch::kFloat).contiguous(), pool_k[l], pool_v[l], req, trees, ctx, ctx_off,
                                         scale, amx_scores);  // [N, Hq, D] f32
-    x = x + linear(l, 1, att.view({n, qw}).to(torch::kBFloat16));
+    x = x + linear(l, 1, att.view({n, qw}).to(dt));
     auto gu = linear(l, 2, norm_k::rms_norm(x, weights[per * l + post], eps));  // [N, 2I]
     const int64_t inter = gu.size(1) / 2;
     auto act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);  // [N, I]
@@ -112,5 +114,5 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward_layers", &forward_layers, "a bf16 model's decoder layers over a packed ragged batch in one call (CPU; AMX or q4 projections)");
+  m.def("forward_layers", &forward_layers, "a model's decoder layers over a packed ragged batch in one call (CPU; bf16 on AMX, or q4 projections)");
 }

@@ -38,11 +38,11 @@ def run(model, use_stack: bool, monkeypatch, steps):
         return outs, kv
 
 
-def q4_target():
-    """bf16_target with every projection a Q4Linear of its own weights (quant.q4_1_quantise: llama.cpp's Q4_1)."""
+def q4_target(dtype):
+    """A tiny target in `dtype` with every projection a Q4Linear of its own weights (quant.q4_1_quantise: llama.cpp's Q4_1)."""
     from adaflash.quant import PROJECTIONS, Q4Linear, _swap, q4_1_quantise
 
-    model = bf16_target()
+    model = tiny_target(seed=3, vocab=96, layers=3, head_dim=32).to(dtype).eval()
     for i in range(len(model.model.layers)):
         for p in PROJECTIONS.values():
             path = f"model.layers.{i}.{p}"
@@ -75,10 +75,11 @@ def test_stack_gives_the_python_loops_bits(monkeypatch):
 
 
 @needs_q4
-def test_q4_stack_gives_the_python_loops_bits(monkeypatch):
-    """A q4 target with bfloat16 activations (the CPU default without AMX) takes the q4 form of the loop, with the
-    Python loop's bits: prefill, plain decoding, mixed verify lengths and a token tree."""
-    model = q4_target()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q4_stack_gives_the_python_loops_bits(monkeypatch, dtype):
+    """A q4 target with bfloat16 activations (where bfloat16 is fast) or float32 ones (AVX2-only CPUs) takes the q4
+    form of the loop, with the Python loop's bits: prefill, plain decoding, mixed verify lengths and a token tree."""
+    model = q4_target(dtype)
     ext = stack_cpu.load()
     calls = []
 
