@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaflash.kvcache import KVCache, KVPool, Ragged, packed_slots, pool_of
-from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, frozen_linear, prepack
+from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, frozen_linear, prepack, stacked_layers
 from adaflash.length_head import LengthHead, has_length_head, load_length_head
 from adaflash.spec import greedy
 from adaflash.target import TargetModel
@@ -251,6 +251,10 @@ class Drafter(nn.Module):
         positions = torch.stack([c.next_pos[0] for c in caches])[:, None] + torch.arange(k_blk, device=dev)  # [R, L]
         cos, sin = self.rotary(positions, x.dtype)
         batch = Ragged(caches, [c.length for c in caches], [k_blk] * r, causal=False)
+        flat_cos, flat_sin = (t.reshape(1, 1, r * k_blk, -1) for t in (cos, sin))  # [1, 1, R*L, D]
+        stacked = stacked_layers(self, self.layers, x.reshape(r * k_blk, -1), batch, flat_cos, flat_sin, self.config.rms_norm_eps)
+        if stacked is not None:  # the same layers in one C++ call (kernels/stack_cpu.py), the same bits
+            return self.norm(stacked[0].view(r, k_blk, -1))
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)

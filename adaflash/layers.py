@@ -397,20 +397,22 @@ class DecoderLayer(nn.Module):
 
     def stack_weights(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """The weights kernels/stack_cpu.cpp runs this layer with for input x, or None where it does not take the
-        layer (q/k norms, norms not in x's dtype, weights in neither form below). On AMX tiles (bfloat16) six
+        layer (norms not in x's dtype, weights in neither form below). On AMX tiles (bfloat16) six
         (input norm, fused q/k/v tiles, o tiles, post-attention norm, fused gate/up tiles, down tiles:
         `forward_layers`); on the q4 kernel fourteen (input norm, (packed, d, m) of the fused q/k/v and of o,
-        post-attention norm, (packed, d, m) of the fused gate/up and of down; bfloat16 or float32). The fused
+        post-attention norm, (packed, d, m) of the fused gate/up and of down; bfloat16 or float32); then the q and
+        k norms where the layer has them (the drafter's). The fused
         forms are those `fused` and `Linear.forward` multiply with, so both paths use the same weights."""
         attn, mlp = self.self_attn, self.mlp
         norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
-        if attn.q_norm is not None or x.dtype not in (torch.bfloat16, torch.float32) or any(w.dtype != x.dtype for w in norms):
+        qk = [attn.q_norm.weight, attn.k_norm.weight] if attn.q_norm is not None else []  # after the rest, where the layer has them
+        if x.dtype not in (torch.bfloat16, torch.float32) or any(w.dtype != x.dtype for w in norms + qk):
             return None
         qkv, gu = fused_op(attn, attn.same_input(), x), fused_op(mlp, mlp.same_input(), x)
         q4 = [getattr(m, "q4_weights", None) for m in (qkv, attn.o_proj, gu, mlp.down_proj)]  # quant.Q4Linear's
         if all(q4):
             w = [f() for f in q4]
-            return [norms[0], *w[0], *w[1], norms[1], *w[2], *w[3]]
+            return [norms[0], *w[0], *w[1], norms[1], *w[2], *w[3], *qk]
         if x.dtype != torch.bfloat16 or not (isinstance(qkv, Fused) and isinstance(gu, Fused)):
             return None
         outs = [attn.o_proj, mlp.down_proj]
@@ -419,7 +421,7 @@ class DecoderLayer(nn.Module):
         packs = [qkv.pack, outs[0]._packed(), gu.pack, outs[1]._packed()]
         if not all(isinstance(p, amx_cpu.Packed) for p in packs):
             return None
-        return [norms[0], packs[0].tiles, packs[1].tiles, norms[1], packs[2].tiles, packs[3].tiles]
+        return [norms[0], packs[0].tiles, packs[1].tiles, norms[1], packs[2].tiles, packs[3].tiles, *qk]
 
 
 def stacked_layers(owner: nn.Module, layers, x: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor, eps: float, features=()):

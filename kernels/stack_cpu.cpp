@@ -58,7 +58,8 @@ void write_kv(const torch::Tensor& kv, int64_t row_stride, torch::Tensor& pool, 
 // x [N, H] bf16 (float32 with q4 weights), the packed tokens' embeddings; weights, per layer either 6 for AMX tiles (input norm [H], fused
 // q/k/v tiles, o tiles, post-attention norm [H], fused gate/up tiles, down tiles; amx_cpu.Packed layout) or 14 for
 // the q4 kernel (input norm, (packed, d, m) of the fused q/k/v and of o, post-attention norm, (packed, d, m) of the
-// fused gate/up and of down; q4_cpu's layout); cos, sin [1, 1, N, D] and pool_k, pool_v (per layer [R, Hkv, C, D])
+// fused gate/up and of down; q4_cpu's layout), each with the q and k norms [D] after them where the layer has
+// them; cos, sin [1, 1, N, D] and pool_k, pool_v (per layer [R, Hkv, C, D])
 // in x's dtype; slot, pos [N] int64 (kvcache.packed_slots); req, trees, ctx, ctx_off: as ragged_attention takes them.
 // -> (x after the last layer [N, H], the outputs of the layers in `features` side by side [N, len(features) * H]).
 std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
@@ -68,9 +69,9 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
                                           std::vector<int64_t> features) {
   const int64_t layers = static_cast<int64_t>(pool_k.size());
   const int64_t per = layers ? static_cast<int64_t>(weights.size()) / layers : 0;
-  TORCH_CHECK(layers && (per == 6 || per == 14) && per * layers == static_cast<int64_t>(weights.size()),
-              "forward_layers: 6 (AMX) or 14 (q4) weights per layer");
-  const bool q4 = per == 14;
+  TORCH_CHECK(layers && (per == 6 || per == 8 || per == 14 || per == 16) && per * layers == static_cast<int64_t>(weights.size()),
+              "forward_layers: 6 (AMX) or 14 (q4) weights per layer, 2 more with q/k norms");
+  const bool q4 = per >= 14, qk_norm = per == 8 || per == 16;  // q/k norms: the layer's last two weights
   const int64_t post = q4 ? 7 : 3;  // the post-attention norm's place in a layer's weights (the input norm's: 0)
   static constexpr int64_t amx_at[4] = {1, 2, 4, 5}, q4_at[4] = {1, 4, 8, 11};  // each projection's (first) place there
   auto linear = [&](int64_t l, int p, const torch::Tensor& in) {
@@ -96,8 +97,13 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
   x = x.contiguous();
   for (int64_t l = 0; l < layers; ++l) {
     auto qkv = linear(l, 0, norm_k::rms_norm(x, weights[per * l], eps));  // [N, (Hq + 2 Hkv) D]
-    auto q = norm_k::rope(qkv.narrow(1, 0, qw).view({1, n, hq, d}), cos, sin);  // [1, N, Hq, D]
-    auto k = norm_k::rope(qkv.narrow(1, qw, kw).view({1, n, hkv, d}), cos, sin);  // [1, N, Hkv, D]
+    auto q = qkv.narrow(1, 0, qw).view({1, n, hq, d}), k = qkv.narrow(1, qw, kw).view({1, n, hkv, d});
+    if (qk_norm) {  // each head's q and k normed over D before RoPE (Qwen3's layers, the drafter's)
+      q = norm_k::rms_norm(q, weights[per * l + per - 2], eps);
+      k = norm_k::rms_norm(k, weights[per * l + per - 1], eps);
+    }
+    q = norm_k::rope(q, cos, sin);  // [1, N, Hq, D]
+    k = norm_k::rope(k, cos, sin);  // [1, N, Hkv, D]
     const auto write = dt == torch::kFloat ? write_kv<float> : write_kv<at::BFloat16>;
     write(k[0], kw, pool_k[l], sp, pp);
     write(qkv.narrow(1, qw + kw, kw), qkv.stride(0), pool_v[l], sp, pp);

@@ -9,7 +9,7 @@ builds; elsewhere the Python loop is the only path and they skip.
 import pytest
 import torch
 from adaflash.kernels import amx_cpu, q4_cpu, stack_cpu
-from conftest import tiny_target
+from conftest import tiny_drafter, tiny_target
 from torch import nn
 
 needs_amx = pytest.mark.skipif(stack_cpu.load() is None or not amx_cpu.available(), reason="no AMX here (or no kernel build)")
@@ -50,6 +50,18 @@ def q4_target(dtype):
     return model
 
 
+def counting(calls: list):
+    """A stand-in for `stack_cpu.load` whose extension records each `forward_layers` call's weight count in `calls`."""
+    ext = stack_cpu.load()
+
+    class Counting:
+        def forward_layers(self, x, weights, *args):
+            calls.append(len(weights))
+            return ext.forward_layers(x, weights, *args)
+
+    return lambda: Counting()
+
+
 def steps_of_every_kind():
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # two branches
     return [
@@ -80,16 +92,9 @@ def test_q4_stack_gives_the_python_loops_bits(monkeypatch, dtype):
     """A q4 target with bfloat16 activations (where bfloat16 is fast) or float32 ones (AVX2-only CPUs) takes the q4
     form of the loop, with the Python loop's bits: prefill, plain decoding, mixed verify lengths and a token tree."""
     model = q4_target(dtype)
-    ext = stack_cpu.load()
     calls = []
-
-    class Counting:
-        def forward_layers(self, x, weights, *args):
-            calls.append(len(weights))
-            return ext.forward_layers(x, weights, *args)
-
     with monkeypatch.context() as m:
-        m.setattr(stack_cpu, "load", lambda: Counting())
+        m.setattr(stack_cpu, "load", counting(calls))
         model.forward_packed([torch.tensor([1, 2, 3])], [model.new_cache(1, 16)])
     assert calls == [14 * len(model.model.layers)]  # the q4 form
     same_bits(model, monkeypatch)
@@ -101,21 +106,14 @@ def test_stack_is_taken_and_follows_weight_changes(monkeypatch):
     assigned after a forward is what the next forward multiplies with (its packed weights are rebuilt)."""
     model = bf16_target()
     calls = []
-    ext = stack_cpu.load()
-
-    class Counting:
-        def forward_layers(self, *args):
-            calls.append(1)
-            return ext.forward_layers(*args)
-
-    monkeypatch.setattr(stack_cpu, "load", lambda: Counting())
+    monkeypatch.setattr(stack_cpu, "load", counting(calls))
     tokens = [torch.tensor([1, 2, 3])]
 
     def logits():
         return model.forward_packed(tokens, [model.new_cache(1, 16)])[0][0]
 
     before = logits()
-    assert calls == [1]
+    assert len(calls) == 1
     down = model.model.layers[1].mlp.down_proj
     with torch.no_grad():
         down.weight.mul_(2)
@@ -126,3 +124,30 @@ def test_stack_is_taken_and_follows_weight_changes(monkeypatch):
     monkeypatch.setattr(stack_cpu, "load", lambda: None)
     assert torch.equal(replaced, logits())
     assert len(calls) == 3 and amx_cpu.available()
+
+
+@needs_q4
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q4_drafter_block_in_one_call_has_the_python_loops_bits(monkeypatch, dtype):
+    """The drafter's block pass (`draft_many`: bidirectional blocks over ragged contexts, q/k norms) takes the
+    same C++ loop with q4 weights, with the Python loop's bits."""
+    from adaflash.quant import quantise_drafter
+
+    target = tiny_target(seed=3, vocab=96, layers=3, head_dim=32)
+    drafter = tiny_drafter(target).to(dtype).requires_grad_(False)
+    quantise_drafter(drafter)
+    assert drafter.layers[0].self_attn.q_norm is not None
+    calls = []
+
+    def blocks(stack):
+        with monkeypatch.context() as m:
+            m.setattr(stack_cpu, "load", counting(calls) if stack else (lambda: None))
+            torch.manual_seed(0)
+            caches = [drafter.new_cache(1, 64) for _ in range(3)]
+            drafter.extend_many([torch.randn(n, drafter.fc.in_features).to(dtype) for n in (5, 1, 9)], caches)
+            return [drafter.draft_many(caches, torch.tensor([7, 1, 30]), n) for n in (4, 6)]  # [3, L, H] each
+
+    with_stack = blocks(True)
+    assert calls == [16 * len(drafter.layers)] * 2  # the q4 form with q/k norms, both passes
+    for a, b in zip(with_stack, blocks(False)):
+        assert torch.equal(a, b)
