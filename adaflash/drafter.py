@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaflash.kvcache import KVCache, KVPool, Ragged, packed_slots, pool_of
-from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, frozen_linear, prepack, stacked_layers
+from adaflash.layers import DecoderLayer, Linear, RMSNorm, Rotary, frozen_linear, prepack, stacked_kv, stacked_layers
 from adaflash.length_head import LengthHead, has_length_head, load_length_head
 from adaflash.spec import greedy
 from adaflash.target import TargetModel
@@ -226,6 +226,8 @@ class Drafter(nn.Module):
         pool = caches[0].pool
         rows, slots, _ = packed_slots(caches, starts, lens)  # [N] each
         cos, sin = self.rotary(torch.cat(pos, dim=1), ctx.dtype)
+        if stacked_kv(self, self.layers, ctx[0], pool, rows, slots, cos, sin, self.config.rms_norm_eps):
+            return  # the same layers in one C++ call (kernels/stack_cpu.py), the same bits
         for li, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)  # [1, Hkv, N, D]
             pool.k[li][rows, :, slots] = k[0].transpose(0, 1).to(pool.dtype)  # [N, Hkv, D]

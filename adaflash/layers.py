@@ -442,15 +442,41 @@ def stacked_layers(owner: nn.Module, layers, x: torch.Tensor, batch, cos: torch.
     )  # fmt: skip
 
 
-def _stack_weights(owner: nn.Module, layers, x: torch.Tensor) -> list[torch.Tensor] | None:
-    """Every layer's `stack_weights` for x, cached on `owner` (30 layers' checks took 2 ms of a 33 ms step) until a
-    weight changes in place or a parameter is assigned anywhere (`weights_epoch`)."""
+def stacked_kv(owner: nn.Module, layers, ctx: torch.Tensor, pool, rows, slots, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> bool:
+    """A drafter's context extension (`Drafter.extend_many`: every layer's k and v projections of ctx [N, H], the k
+    norm, RoPE on k, K/V written into `pool` at `rows`, `slots` [N]) in one C++ call (kernels/stack_cpu.py), with the
+    Python loop's bits, where every layer's k and v projections are on the q4 kernel and the pool is in ctx's dtype
+    -> whether it ran. cos, sin [1, 1, N, D]."""
+    if torch.is_grad_enabled() or ctx.device.type != "cpu" or pool.dtype != ctx.dtype or (ext := stack_cpu.load()) is None:
+        return False
+    if (weights := _stack_weights(owner, layers, ctx, "kv")) is None:
+        return False
+    a = layers[0].self_attn
+    ext.extend_layers(ctx, weights, cos, sin, pool.k, pool.v, rows, slots, a.n_kv_heads, eps)
+    return True
+
+
+def _kv_weights(layer: DecoderLayer, x: torch.Tensor) -> list[torch.Tensor] | None:
+    """A layer's weights for `stacked_kv`: (packed, d, m) of its k and v projections, then its k norm where it has
+    one; None unless both are on the q4 kernel (quant.Q4Linear) and the norm is in x's dtype."""
+    attn = layer.self_attn
+    q4 = [getattr(m, "q4_weights", None) for m in (attn.k_proj, attn.v_proj)]
+    norm = [attn.k_norm.weight] if attn.k_norm is not None else []
+    if x.dtype not in (torch.bfloat16, torch.float32) or not all(q4) or any(w.dtype != x.dtype for w in norm):
+        return None
+    return [*q4[0](), *q4[1](), *norm]
+
+
+def _stack_weights(owner: nn.Module, layers, x: torch.Tensor, kind: str = "layers") -> list[torch.Tensor] | None:
+    """Every layer's weights for x (`DecoderLayer.stack_weights`; kind "kv": `_kv_weights`), cached on `owner` per kind
+    (30 layers' checks took 2 ms of a 33 ms step) until a weight changes in place or a parameter is assigned anywhere
+    (`weights_epoch`)."""
     params = owner.__dict__.get("_stack_params") or list(owner.parameters())
     key = (x.dtype, weights_epoch(), tuple((p.data_ptr(), p._version) for p in params))
-    cached = owner.__dict__.get("_stack")
-    if cached is None or cached[0] != key:
-        per = [layer.stack_weights(x) for layer in layers]  # one form for every layer, or the Python loop
+    cache = owner.__dict__.setdefault("_stack", {})
+    if kind not in cache or cache[kind][0] != key:
+        per = [layer.stack_weights(x) if kind == "layers" else _kv_weights(layer, x) for layer in layers]
         weights = None if any(w is None for w in per) or len({len(w) for w in per}) != 1 else [t for w in per for t in w]
         owner.__dict__["_stack_params"] = list(owner.parameters())
-        owner.__dict__["_stack"] = cached = (key, weights)
-    return cached[1]
+        cache[kind] = (key, weights)
+    return cache[kind][1]

@@ -53,6 +53,19 @@ void write_kv(const torch::Tensor& kv, int64_t row_stride, torch::Tensor& pool, 
     for (int64_t h = 0; h < hkv; ++h) std::memcpy(dst + ((slot[i] * hkv + h) * cap + pos[i]) * d, src + i * row_stride + h * d, d * sizeof(T));
 }
 
+// what both calls check: slot and pos [N] contiguous int64; one contiguous [R, Hkv, C, D] K and V pool per layer in dtype dt
+void check_pool(const char* who, const torch::Tensor& slot, const torch::Tensor& pos, int64_t n, const std::vector<torch::Tensor>& pool_k,
+                const std::vector<torch::Tensor>& pool_v, at::ScalarType dt, int64_t hkv, int64_t d) {
+  TORCH_CHECK(slot.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && slot.is_contiguous() && pos.is_contiguous() &&
+                  slot.numel() == n && pos.numel() == n,
+              who, ": slot and pos must be contiguous int64 [N]");
+  TORCH_CHECK(pool_k.size() == pool_v.size(), who, ": one K and V pool per layer");
+  for (size_t l = 0; l < pool_k.size(); ++l)
+    TORCH_CHECK(pool_k[l].scalar_type() == dt && pool_v[l].scalar_type() == dt && pool_k[l].is_contiguous() && pool_v[l].is_contiguous() &&
+                    pool_k[l].size(1) == hkv && pool_k[l].size(3) == d,
+                who, ": the pool must be contiguous [R, Hkv, C, D] in the activations' dtype");
+}
+
 }  // namespace
 
 // x [N, H] bf16 (float32 with q4 weights), the packed tokens' embeddings; weights, per layer either 6 for AMX tiles (input norm [H], fused
@@ -81,14 +94,7 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
   const int64_t n = x.size(0), d = cos.size(3);
   const auto dt = x.scalar_type();
   TORCH_CHECK((dt == torch::kBFloat16 || (q4 && dt == torch::kFloat)) && x.dim() == 2, "forward_layers: x must be bf16 [N, H] (or float32 with q4)");
-  TORCH_CHECK(static_cast<int64_t>(pool_v.size()) == layers, "forward_layers: one K and V pool per layer");
-  TORCH_CHECK(slot.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && slot.is_contiguous() && pos.is_contiguous() &&
-                  slot.numel() == n && pos.numel() == n,
-              "forward_layers: slot and pos must be contiguous int64 [N]");
-  for (int64_t l = 0; l < layers; ++l)
-    TORCH_CHECK(pool_k[l].scalar_type() == dt && pool_v[l].scalar_type() == dt && pool_k[l].is_contiguous() && pool_v[l].is_contiguous() &&
-                    pool_k[l].size(1) == hkv && pool_k[l].size(3) == d,
-                "forward_layers: the pool must be contiguous [R, Hkv, C, D] in x's dtype");
+  check_pool("forward_layers", slot, pos, n, pool_k, pool_v, dt, hkv, d);
   pybind11::gil_scoped_release free_python;  // ATen alone from here: the server's other threads run meanwhile
   const int64_t* sp = slot.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -119,6 +125,37 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
   return {x, feats.empty() ? x.new_empty({n, 0}) : at::cat(feats, 1)};
 }
 
+// A drafter's context extension (`Drafter.extend_many`) in one call: ctx [N, H] (the fused target features, bf16 or
+// float32) through every layer's k and v projections on the q4 kernel, k normed per head where the layer has a k
+// norm, RoPE on k, both written into the layer's pool [R, Hkv, C, D] (x's dtype) at pool row slot[i], cache slot
+// pos[i]. weights per layer: (packed, d, m) of k_proj, of v_proj, then the k norm [D] where there is one (6 or 7).
+void extend_layers(torch::Tensor ctx, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
+                   std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot, torch::Tensor pos, int64_t hkv,
+                   double eps) {
+  const int64_t layers = static_cast<int64_t>(pool_k.size()), n = ctx.size(0), d = cos.size(3);
+  const int64_t per = layers ? static_cast<int64_t>(weights.size()) / layers : 0;
+  TORCH_CHECK(layers && (per == 6 || per == 7) && per * layers == static_cast<int64_t>(weights.size()),
+              "extend_layers: 6 weights per layer (7 with a k norm)");
+  const auto dt = ctx.scalar_type();
+  TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat) && ctx.dim() == 2, "extend_layers: ctx must be bf16 or float32 [N, H]");
+  check_pool("extend_layers", slot, pos, n, pool_k, pool_v, dt, hkv, d);
+  pybind11::gil_scoped_release free_python;
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t kw = hkv * d;
+  const auto write = dt == torch::kFloat ? write_kv<float> : write_kv<at::BFloat16>;
+  const torch::Tensor x = ctx.contiguous();
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + per * l;
+    auto k = q4_k::q4_linear(x, w[0], w[1], w[2]).view({1, n, hkv, d});  // [1, N, Hkv, D]
+    if (per == 7) k = norm_k::rms_norm(k, w[6], eps);
+    k = norm_k::rope(k, cos, sin);
+    write(k[0], kw, pool_k[l], sp, pp);
+    write(q4_k::q4_linear(x, w[3], w[4], w[5]), kw, pool_v[l], sp, pp);  // [N, Hkv * D]
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("extend_layers", &extend_layers, "a drafter's context K/V through its layers' q4 k/v projections into its pool, in one call (CPU)");
   m.def("forward_layers", &forward_layers, "a model's decoder layers over a packed ragged batch in one call (CPU; bf16 on AMX, or q4 projections)");
 }

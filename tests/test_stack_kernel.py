@@ -51,13 +51,18 @@ def q4_target(dtype):
 
 
 def counting(calls: list):
-    """A stand-in for `stack_cpu.load` whose extension records each `forward_layers` call's weight count in `calls`."""
+    """A stand-in for `stack_cpu.load` whose extension records each call's weight count in `calls` (`forward_layers`:
+    the count, `extend_layers`: ("kv", the count))."""
     ext = stack_cpu.load()
 
     class Counting:
         def forward_layers(self, x, weights, *args):
             calls.append(len(weights))
             return ext.forward_layers(x, weights, *args)
+
+        def extend_layers(self, x, weights, *args):
+            calls.append(("kv", len(weights)))
+            return ext.extend_layers(x, weights, *args)
 
     return lambda: Counting()
 
@@ -129,8 +134,9 @@ def test_stack_is_taken_and_follows_weight_changes(monkeypatch):
 @needs_q4
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_q4_drafter_block_in_one_call_has_the_python_loops_bits(monkeypatch, dtype):
-    """The drafter's block pass (`draft_many`: bidirectional blocks over ragged contexts, q/k norms) takes the
-    same C++ loop with q4 weights, with the Python loop's bits."""
+    """The drafter's context extension (`extend_many`: k/v projections, k norms, RoPE, pool writes) and its block pass
+    (`draft_many`: bidirectional blocks over ragged contexts, q/k norms) take the C++ calls with q4 weights, with the
+    Python loops' bits: the K/V they leave in the pool and the block states."""
     from adaflash.quant import quantise_drafter
 
     target = tiny_target(seed=3, vocab=96, layers=3, head_dim=32)
@@ -145,9 +151,13 @@ def test_q4_drafter_block_in_one_call_has_the_python_loops_bits(monkeypatch, dty
             torch.manual_seed(0)
             caches = [drafter.new_cache(1, 64) for _ in range(3)]
             drafter.extend_many([torch.randn(n, drafter.fc.in_features).to(dtype) for n in (5, 1, 9)], caches)
-            return [drafter.draft_many(caches, torch.tensor([7, 1, 30]), n) for n in (4, 6)]  # [3, L, H] each
+            out = [drafter.draft_many(caches, torch.tensor([7, 1, 30]), n) for n in (4, 6)]  # [3, L, H] each
+            drafter.extend_many([torch.randn(n, drafter.fc.in_features).to(dtype) for n in (2, 3, 1)], caches)
+            kv = [torch.cat([c.k[i][:, :, : c.length] for c in caches], 2) for i in range(len(drafter.layers))]  # [1, Hkv, N, D]
+            return out + kv + [torch.cat([c.v[i][:, :, : c.length] for c in caches], 2) for i in range(len(drafter.layers))]
 
     with_stack = blocks(True)
-    assert calls == [16 * len(drafter.layers)] * 2  # the q4 form with q/k norms, both passes
+    n = len(drafter.layers)
+    assert calls == [("kv", 7 * n), 16 * n, 16 * n, ("kv", 7 * n)]  # the q4 forms with q/k norms, every pass
     for a, b in zip(with_stack, blocks(False)):
         assert torch.equal(a, b)
