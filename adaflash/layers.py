@@ -413,15 +413,18 @@ class DecoderLayer(nn.Module):
         if all(q4):
             w = [f() for f in q4]
             return [norms[0], *w[0], *w[1], norms[1], *w[2], *w[3], *qk]
-        if x.dtype != torch.bfloat16 or not (isinstance(qkv, Fused) and isinstance(gu, Fused)):
+        if not (isinstance(qkv, Fused) and isinstance(gu, Fused)):
             return None
         outs = [attn.o_proj, mlp.down_proj]
         if any(type(m) is not Linear or m.bias is not None or not m._packable(x) for m in outs):
             return None
         packs = [qkv.pack, outs[0]._packed(), gu.pack, outs[1]._packed()]
-        if not all(isinstance(p, amx_cpu.Packed) for p in packs):
-            return None
-        return [norms[0], packs[0].tiles, packs[1].tiles, norms[1], packs[2].tiles, packs[3].tiles, *qk]
+        if x.dtype == torch.bfloat16 and all(isinstance(p, amx_cpu.Packed) for p in packs):
+            return [norms[0], packs[0].tiles, packs[1].tiles, norms[1], packs[2].tiles, packs[3].tiles, *qk]
+        # float32 through oneDNN: the C++ loop runs `_one_call` (its padding hard-wired: 1-2 rows to 4)
+        if x.dtype == torch.float32 and (PAD_ROWS, MIN_ROWS) == (2, 4) and all(isinstance(p, torch.Tensor) and p.is_mkldnn for p in packs):
+            return [norms[0], packs[0], packs[1], norms[1], packs[2], packs[3], *qk]
+        return None
 
 
 def stacked_layers(owner: nn.Module, layers, x: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor, eps: float, features=()):

@@ -9,6 +9,7 @@
 // tensor it makes has the bits the Python loop gives (tests/test_stack_kernel.py compares them exactly).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <immintrin.h>
 
@@ -66,15 +67,30 @@ void check_pool(const char* who, const torch::Tensor& slot, const torch::Tensor&
                 who, ": the pool must be contiguous [R, Hkv, C, D] in the activations' dtype");
 }
 
+// a float32 projection through oneDNN as layers.packed_mm runs it (one call; 1-2 rows padded to 4 with zero rows, as
+// `_one_call` does: PAD_ROWS, MIN_ROWS): x [M, K] float32, pack its oneDNN-blocked weight (layers.pack_weight)
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& pack) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
+                                         c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>();
+  const int64_t m = x.size(0);
+  if (m > 2) return op.call(x, pack, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  auto padded = torch::zeros({4, x.size(1)}, x.options());
+  padded.narrow(0, 0, m).copy_(x);
+  return op.call(padded, pack, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt).narrow(0, 0, m);
+}
+
 }  // namespace
 
-// x [N, H] bf16 (float32 with q4 weights), the packed tokens' embeddings; weights, per layer either 6 for AMX tiles (input norm [H], fused
-// q/k/v tiles, o tiles, post-attention norm [H], fused gate/up tiles, down tiles; amx_cpu.Packed layout) or 14 for
-// the q4 kernel (input norm, (packed, d, m) of the fused q/k/v and of o, post-attention norm, (packed, d, m) of the
-// fused gate/up and of down; q4_cpu's layout), each with the q and k norms [D] after them where the layer has
-// them; cos, sin [1, 1, N, D] and pool_k, pool_v (per layer [R, Hkv, C, D])
-// in x's dtype; slot, pos [N] int64 (kvcache.packed_slots); req, trees, ctx, ctx_off: as ragged_attention takes them.
-// -> (x after the last layer [N, H], the outputs of the layers in `features` side by side [N, len(features) * H]).
+// x [N, H], the packed tokens' embeddings; weights, per layer either 6 (input norm [H], fused q/k/v, o, post-attention
+// norm [H], fused gate/up, down: bf16 x with AMX tiles, amx_cpu.Packed layout, or float32 x with oneDNN-blocked
+// weights, layers.pack_weight) or 14 for the q4 kernel (input norm, (packed, d, m) of the fused q/k/v and of o,
+// post-attention norm, (packed, d, m) of the fused gate/up and of down; q4_cpu's layout; bf16 or float32 x), each
+// with the q and k norms [D] after them where the layer has them; cos, sin [1, 1, N, D] and pool_k, pool_v (per
+// layer [R, Hkv, C, D]) in x's dtype; slot, pos [N] int64 (kvcache.packed_slots); req, trees, ctx, ctx_off: as
+// ragged_attention takes them. -> (x after the last layer [N, H], the outputs of the layers in `features` side by
+// side [N, len(features) * H]).
 std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                                           std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot,
                                           torch::Tensor pos, torch::Tensor req, torch::Tensor trees, torch::Tensor ctx,
@@ -89,11 +105,13 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
   static constexpr int64_t amx_at[4] = {1, 2, 4, 5}, q4_at[4] = {1, 4, 8, 11};  // each projection's (first) place there
   auto linear = [&](int64_t l, int p, const torch::Tensor& in) {
     const torch::Tensor* w = weights.data() + per * l + (q4 ? q4_at[p] : amx_at[p]);
-    return q4 ? q4_k::q4_linear(in, w[0], w[1], w[2]) : amx_k::amx_linear(in, w[0]);
+    return q4 ? q4_k::q4_linear(in, w[0], w[1], w[2]) : w[0].is_mkldnn() ? onednn_linear(in, w[0]) : amx_k::amx_linear(in, w[0]);
   };
   const int64_t n = x.size(0), d = cos.size(3);
   const auto dt = x.scalar_type();
-  TORCH_CHECK((dt == torch::kBFloat16 || (q4 && dt == torch::kFloat)) && x.dim() == 2, "forward_layers: x must be bf16 [N, H] (or float32 with q4)");
+  const bool onednn = !q4 && weights[1].is_mkldnn();
+  TORCH_CHECK(x.dim() == 2 && (onednn ? dt == torch::kFloat : q4 ? (dt == torch::kBFloat16 || dt == torch::kFloat) : dt == torch::kBFloat16),
+              "forward_layers: x [N, H] must be bf16 on AMX tiles, float32 with oneDNN weights, either with q4");
   check_pool("forward_layers", slot, pos, n, pool_k, pool_v, dt, hkv, d);
   pybind11::gil_scoped_release free_python;  // ATen alone from here: the server's other threads run meanwhile
   const int64_t* sp = slot.data_ptr<int64_t>();

@@ -1,9 +1,10 @@
 """The decoder layers in one C++ call (kernels/stack_cpu.cpp) against the Python layer loop, bit for bit.
 
-`TargetModel.forward_packed` takes the C++ loop for a bfloat16 model on AMX tiles or with q4 projections; it
-must give exactly what the Python loop gives (logits, features, the K/V it writes), or greedy verification
-would no longer be plain decoding. The AMX tests run where the CPU has AMX, the q4 test where the q4 kernel
-builds; elsewhere the Python loop is the only path and they skip.
+`TargetModel.forward_packed` takes the C++ loop for a bfloat16 model on AMX tiles, a float32 one with oneDNN
+weights, or one with q4 projections (and the drafter its block pass and cache extension); it must give exactly
+what the Python loop gives (logits, features, the K/V it writes), or greedy verification would no longer be plain
+decoding. The AMX tests run where the CPU has AMX, the q4 tests where the q4 kernel builds; elsewhere the Python
+loop is the only path and they skip.
 """
 
 import pytest
@@ -89,6 +90,19 @@ def same_bits(model, monkeypatch):
 @needs_amx
 def test_stack_gives_the_python_loops_bits(monkeypatch):
     same_bits(bf16_target(), monkeypatch)
+
+
+@pytest.mark.skipif(stack_cpu.load() is None or not torch.backends.mkldnn.is_available(), reason="no stack kernel or oneDNN here")
+def test_float32_stack_gives_the_python_loops_bits(monkeypatch):
+    """A float32 target (the CPU default) takes the loop with its oneDNN-blocked weights (6 a layer), one and two rows
+    padded to four as `layers._one_call` pads them, with the Python loop's bits."""
+    model = tiny_target(seed=3, vocab=96, layers=3, head_dim=32).eval()
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(stack_cpu, "load", counting(calls))
+        model.forward_packed([torch.tensor([1, 2, 3])], [model.new_cache(1, 16)])
+    assert calls == [6 * len(model.model.layers)]
+    same_bits(model, monkeypatch)
 
 
 @needs_q4
