@@ -1,6 +1,6 @@
 """A model's decoder layers in one C++ call for CPU inference (stack_cpu.cpp `forward_layers`): bfloat16 weights
-on AMX tiles, or q4 weights with bfloat16 or float32 activations; and a q4 drafter's context extension through
-its layers' k/v projections (`extend_layers`).
+on AMX tiles, float32 weights through oneDNN, or q4 weights with bfloat16 or float32 activations; and a q4
+drafter's context extension through its layers' k/v projections (`extend_layers`).
 
 Why: the AMX matmuls and the attention kernel left a SmolLM2 step at concurrency 32 (one token per
 request) with 13.5 ms of matmuls, 10 ms of attention and about 20 ms of Python and PyTorch dispatch
@@ -10,8 +10,8 @@ one call (docs/benchmarks.md). The C++ loop calls the same kernels and ATen ops 
 bits are the Python loop's (tests/test_stack_kernel.py); it also lets go of the GIL while it runs.
 `TargetModel.forward_packed` and `Drafter.draft_many` take it where every piece fits (`layers.stacked_layers`:
 `DecoderLayer.stack_weights`, a pool in the activations' dtype on the attention kernel), `Drafter.extend_many`
-`extend_layers` (`layers.stacked_kv`), and they keep the Python loop elsewhere (float weights
-without AMX, GPUs, training, ADAFLASH_KERNELS=torch).
+`extend_layers` (`layers.stacked_kv`), and they keep the Python loop elsewhere (bfloat16
+weights without AMX, GPUs, training, ADAFLASH_KERNELS=torch).
 """
 
 from __future__ import annotations
