@@ -397,9 +397,9 @@ class DecoderLayer(nn.Module):
 
     def stack_weights(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """The weights kernels/stack_cpu.cpp runs this layer with for input x, or None where it does not take the
-        layer (norms not in x's dtype, weights in neither form below). On AMX tiles (bfloat16) six
-        (input norm, fused q/k/v tiles, o tiles, post-attention norm, fused gate/up tiles, down tiles:
-        `forward_layers`); on the q4 kernel fourteen (input norm, (packed, d, m) of the fused q/k/v and of o,
+        layer (norms not in x's dtype, weights in neither form below). On AMX tiles (bfloat16) or through oneDNN
+        (float32) six (input norm, fused q/k/v, o, post-attention norm, fused gate/up, down: AMX tiles or oneDNN's
+        blocked weights); on the q4 kernel fourteen (input norm, (packed, d, m) of the fused q/k/v and of o,
         post-attention norm, (packed, d, m) of the fused gate/up and of down; bfloat16 or float32); then the q and
         k norms where the layer has them (the drafter's). The fused
         forms are those `fused` and `Linear.forward` multiply with, so both paths use the same weights."""
@@ -430,13 +430,13 @@ class DecoderLayer(nn.Module):
 def stacked_layers(owner: nn.Module, layers, x: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor, eps: float, features=()):
     """`layers` (DecoderLayers of `owner`, the target or the drafter) over the packed rows x [N, H] of a ragged
     batch (kvcache.Ragged) in one C++ call (kernels/stack_cpu.py), with the Python layer loop's bits, where every
-    layer and the pool fit it (bfloat16 weights on AMX tiles, or q4 weights with bfloat16 or float32 activations; the
-    attention kernel)
+    layer and the pool fit it (bfloat16 weights on AMX tiles, float32 weights through oneDNN, or q4 weights with
+    bfloat16 or float32 activations; the attention kernel)
     -> (x [N, H] after the last layer, the outputs of the layers in `features` side by side [N, n*H]), else None.
     cos, sin [1, 1, N, D]: the rows' rotary tables."""
     if not batch.kernel or batch.pool.dtype != x.dtype or (ext := stack_cpu.load()) is None:
         return None
-    if (weights := _stack_weights(owner, layers, x)) is None:
+    if (weights := _stack_weights(owner, layers, x, DecoderLayer.stack_weights)) is None:
         return None
     a, pool = layers[0].self_attn, batch.pool
     return ext.forward_layers(
@@ -452,7 +452,7 @@ def stacked_kv(owner: nn.Module, layers, ctx: torch.Tensor, pool, rows, slots, c
     -> whether it ran. cos, sin [1, 1, N, D]."""
     if torch.is_grad_enabled() or ctx.device.type != "cpu" or pool.dtype != ctx.dtype or (ext := stack_cpu.load()) is None:
         return False
-    if (weights := _stack_weights(owner, layers, ctx, "kv")) is None:
+    if (weights := _stack_weights(owner, layers, ctx, _kv_weights)) is None:
         return False
     a = layers[0].self_attn
     ext.extend_layers(ctx, weights, cos, sin, pool.k, pool.v, rows, slots, a.n_kv_heads, eps)
@@ -470,15 +470,15 @@ def _kv_weights(layer: DecoderLayer, x: torch.Tensor) -> list[torch.Tensor] | No
     return [*q4[0](), *q4[1](), *norm]
 
 
-def _stack_weights(owner: nn.Module, layers, x: torch.Tensor, kind: str = "layers") -> list[torch.Tensor] | None:
-    """Every layer's weights for x (`DecoderLayer.stack_weights`; kind "kv": `_kv_weights`), cached on `owner` per kind
-    (30 layers' checks took 2 ms of a 33 ms step) until a weight changes in place or a parameter is assigned anywhere
-    (`weights_epoch`)."""
+def _stack_weights(owner: nn.Module, layers, x: torch.Tensor, weights_of) -> list[torch.Tensor] | None:
+    """Every layer's `weights_of(layer, x)` (`DecoderLayer.stack_weights`, `_kv_weights`) side by side, cached on `owner`
+    per function (30 layers' checks took 2 ms of a 33 ms step) until a weight changes in place or a parameter is
+    assigned anywhere (`weights_epoch`)."""
     params = owner.__dict__.get("_stack_params") or list(owner.parameters())
     key = (x.dtype, weights_epoch(), tuple((p.data_ptr(), p._version) for p in params))
-    cache = owner.__dict__.setdefault("_stack", {})
+    cache, kind = owner.__dict__.setdefault("_stack", {}), weights_of.__name__
     if kind not in cache or cache[kind][0] != key:
-        per = [layer.stack_weights(x) if kind == "layers" else _kv_weights(layer, x) for layer in layers]
+        per = [weights_of(layer, x) for layer in layers]
         weights = None if any(w is None for w in per) or len({len(w) for w in per}) != 1 else [t for w in per for t in w]
         owner.__dict__["_stack_params"] = list(owner.parameters())
         cache[kind] = (key, weights)

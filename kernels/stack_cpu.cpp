@@ -1,5 +1,5 @@
-// A bfloat16 model's decoder layers in one call for CPU inference, its projections on AMX tiles or on the q4
-// kernel (kernels/stack_cpu.py builds and calls it).
+// A model's decoder layers in one call for CPU inference, its projections on AMX tiles (bfloat16), through oneDNN
+// (float32) or on the q4 kernel; and a q4 drafter's context extension (kernels/stack_cpu.py builds and calls them).
 //
 // A SmolLM2 step at concurrency 32 spent about as long in Python and PyTorch's dispatch of ~700 small
 // calls (norms, rotary, K/V writes, SwiGLU's elementwise ops, residual adds, views) as in its matmuls.
@@ -117,6 +117,7 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
   const int64_t* sp = slot.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t qw = hq * d, kw = hkv * d;
+  const auto write = dt == torch::kFloat ? write_kv<float> : write_kv<at::BFloat16>;
   std::vector<torch::Tensor> feats;
   x = x.contiguous();
   for (int64_t l = 0; l < layers; ++l) {
@@ -128,7 +129,6 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
     }
     q = norm_k::rope(q, cos, sin);  // [1, N, Hq, D]
     k = norm_k::rope(k, cos, sin);  // [1, N, Hkv, D]
-    const auto write = dt == torch::kFloat ? write_kv<float> : write_kv<at::BFloat16>;
     write(k[0], kw, pool_k[l], sp, pp);
     write(qkv.narrow(1, qw + kw, kw), qkv.stride(0), pool_v[l], sp, pp);
     auto att = attn_k::ragged_attention(q.view({n, hq, d}).to(torch::kFloat).contiguous(), pool_k[l], pool_v[l], req, trees, ctx, ctx_off,
@@ -145,7 +145,7 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
 
 // A drafter's context extension (`Drafter.extend_many`) in one call: ctx [N, H] (the fused target features, bf16 or
 // float32) through every layer's k and v projections on the q4 kernel, k normed per head where the layer has a k
-// norm, RoPE on k, both written into the layer's pool [R, Hkv, C, D] (x's dtype) at pool row slot[i], cache slot
+// norm, RoPE on k, both written into the layer's pool [R, Hkv, C, D] (ctx's dtype) at pool row slot[i], cache slot
 // pos[i]. weights per layer: (packed, d, m) of k_proj, of v_proj, then the k norm [D] where there is one (6 or 7).
 void extend_layers(torch::Tensor ctx, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                    std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot, torch::Tensor pos, int64_t hkv,
@@ -175,5 +175,5 @@ void extend_layers(torch::Tensor ctx, std::vector<torch::Tensor> weights, torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("extend_layers", &extend_layers, "a drafter's context K/V through its layers' q4 k/v projections into its pool, in one call (CPU)");
-  m.def("forward_layers", &forward_layers, "a model's decoder layers over a packed ragged batch in one call (CPU; bf16 on AMX, or q4 projections)");
+  m.def("forward_layers", &forward_layers, "a model's decoder layers over a packed ragged batch in one call (CPU; bf16 on AMX, float32 through oneDNN, or q4)");
 }
