@@ -288,7 +288,7 @@ class CostPolicy(VerifyPolicy):
         n_req, n_tok = len(states) + others[0], len(states) + others[1]
         self._batch = (n_req, n_tok)
         key = (ids, others, self._prompts)
-        if (last := self._last) is not None and (self.steps % PROBE_SYNC and last.key == key or self._holds_plain(n_req)):  # see `_last`
+        if (last := self._last) is not None and (self.steps % PROBE_SYNC and last.key == key or self._holds_plain(n_req, n_tok, ids, states)):  # see `_last`
             self._block, self._secs, self._fixed, step_s = last.block, last.secs, last.fixed, last.step_s
             draft = last.draft if len(last.draft) == len(ids) else [False] * len(ids)  # a plain plan held through a batch change
             self._save_explore(step_s)
@@ -311,9 +311,7 @@ class CostPolicy(VerifyPolicy):
         draft_s, extend_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
         extra_s, spread_s = self._extend_charge(ids, states, extend_s, cum)  # [R], [R]
         self._save_explore(step_s)
-        n_probe = min(PROBE_DRAFTS, secs.size - 1)  # the drafts a probe verifies, its block one longer
-        probe_s = extend_s + draft_s[1] + (n_probe + 1) * draft_s[2] + float(secs[n_probe] - secs[0])  # [R] paid whole
-        force = self._probes(ids, probe_s, draft_s[0], fits[:, 0])
+        force = self._probes(ids, self._probe_cost(extend_s, draft_s, secs), draft_s[0], fits[:, 0])
         if force.any():  # a probe's pass drafts the probed and those that draft anyway, no others joining on it for free:
             # in marginal pricing they paid, measured they did not (MT-Bench at c=8: probe steps drafted 3.4 requests a step for
             # 1.6 probed, 15 ms over a plain step for 1.2 tokens; code at c=32: 0.970x -> 1.002x plain, 3 runs)
@@ -388,19 +386,39 @@ class CostPolicy(VerifyPolicy):
         conds = np.where(np.isnan(seen), cond[d][:, None], seen).transpose(1, 0, 2)  # [S, D, J]
         return np.cumprod(conds, -1) * fits[d][None]  # [S, D, J]
 
-    def _holds_plain(self, n_req: int) -> bool:
+    def _holds_plain(self, n_req: int, n_tok: int, ids: list[str], states: list[RequestState]) -> bool:
         """The last plan drafted nobody and nothing it read has moved enough to draft now, whatever the batch: no
         round has been labelled since (only labels move the acceptance models and running rates; a new request
         plans with the traffic's rate, as the last plan's requests did), the step has at least as many requests
-        (fewer make a step cheaper, and drafting may pay again: re-planned at once), and no probe can be
-        afforded (on a probe step, the exploration budget holds at least a drafter pass). Where nothing pays
-        the plan then runs about once per probe the budget affords instead of at every batch change (a new
+        (fewer make a step cheaper, and drafting may pay again: re-planned at once), and no probe can be made (on
+        a probe step, `_probes` would find nobody due, or the budget short of the first due request's probe).
+        Where nothing pays the plan then runs about once per probe instead of at every batch change (a new
         request's prefill and its first round re-planned twice per request: 41% of MT-Bench's steps at c=8,
-        ~0.45 ms each)."""
+        ~0.45 ms each) or at every probe step whose budget held a drafter pass (65 of 382 steps at MT-Bench
+        c=8, ~1.2 ms each, for 9 probes: the probe of a request skipped for long extends its drafter cache with
+        all it wrote since, which the budget seldom holds)."""
         last = self._last
         if any(last.draft) or last.labelled != self.labelled or n_req < last.requests:
             return False
-        return bool(self.steps % PROBE_SYNC) or self.explore < self.overrun.k * self.cost.per_drafted[0]
+        if self.steps % PROBE_SYNC:
+            return True
+        due = self._due(ids, [s.budget > 0 for s in states])
+        if not due:
+            return True
+        k = self.overrun.k
+        draft_s = tuple(k * d for d in self.cost.per_drafted)
+        extend_s = np.array([float(states[j].context_tokens) for j in due]) * (k * self.cost.per_context)  # [due]
+        secs = self.cost.verify_curve(n_req, n_tok, min(PROBE_DRAFTS, len(states) * (self.k_blk - 1)), mean_context(states))
+        first = max(range(len(due)), key=lambda x: self.skipped.get(ids[due[x]], 0))  # the one `_probes` tries first
+        return self._explore_after(last.step_s) < draft_s[0] + float(self._probe_cost(extend_s, draft_s, secs)[first])
+
+    @staticmethod
+    def _probe_cost(extend_s: np.ndarray, draft_s: tuple[float, float, float], secs: np.ndarray) -> np.ndarray:
+        """[R] seconds probing each request adds, paid whole: its drafting (draft_s as `plan_drafts` takes it), the
+        context it extends first (extend_s [R]) and the PROBE_DRAFTS drafts it verifies, its block one longer
+        (secs: the step's verify curve, only its increments read)."""
+        n = min(PROBE_DRAFTS, secs.size - 1)
+        return extend_s + draft_s[1] + (n + 1) * draft_s[2] + float(secs[n] - secs[0])
 
     def _extend_charge(self, ids: list[str], states: list[RequestState], extend_s, cum) -> tuple[np.ndarray, np.ndarray]:
         """([R] seconds of extending each request's drafter cache (extend_s [R]) charged to this step, [R] the same
@@ -433,8 +451,12 @@ class CostPolicy(VerifyPolicy):
     def _save_explore(self, step_s: float) -> None:
         """Add EXPLORE (times the probes' recent payoff) of a step of `step_s` seconds to the probes'
         budget, saved up over 256 steps at most."""
+        self.explore = self._explore_after(step_s)
+
+    def _explore_after(self, step_s: float) -> float:
+        """The probes' budget once a step of `step_s` seconds has added its share (`_save_explore`)."""
         share = EXPLORE * max(PAYOFF_FLOOR, self.payoff)
-        self.explore = min(self.explore + share * step_s, 256 * share * step_s)
+        return min(self.explore + share * step_s, 256 * share * step_s)
 
     def _score_probes(self, ids: list[str], draft: list[bool], force: list[bool]) -> None:
         """A request probed earlier and planned now unforced: its probe paid once PAYOFF_PLANS plans in a
@@ -488,7 +510,7 @@ class CostPolicy(VerifyPolicy):
         force = np.zeros(len(ids), dtype=bool)
         if self.steps % PROBE_SYNC:
             return force
-        due = [j for j, i in enumerate(ids) if can[j] and self.skipped.get(i, 0) >= self.probe_every.get(i, 4)]
+        due = self._due(ids, can)
         spend = d_pass
         for j in sorted(due, key=lambda j: -self.skipped.get(ids[j], 0))[: max(2, len(ids) // PROBE_SHARE)]:
             if spend + float(cost[j]) > self.explore:
@@ -499,6 +521,10 @@ class CostPolicy(VerifyPolicy):
             self.explore -= spend
             self.probes += int(force.sum())
         return force
+
+    def _due(self, ids: list[str], can) -> list[int]:
+        """Indices of `ids` whose probe back-off has elapsed, among those that can still commit a draft (can [R] bool)."""
+        return [j for j, i in enumerate(ids) if can[j] and self.skipped.get(i, 0) >= self.probe_every.get(i, 4)]
 
     def _after_plan(self, rid: str, drafts: bool) -> None:
         if rid in self.forced:  # a probe: if it still does not pay, wait twice as long for the next
