@@ -288,7 +288,8 @@ class CostPolicy(VerifyPolicy):
         n_req, n_tok = len(states) + others[0], len(states) + others[1]
         self._batch = (n_req, n_tok)
         key = (ids, others, self._prompts)
-        if (last := self._last) is not None and (self.steps % PROBE_SYNC and last.key == key or self._holds_plain(n_req, n_tok, ids, states)):  # see `_last`
+        last = self._last  # see `_last`
+        if last is not None and (self.steps % PROBE_SYNC and last.key == key or self._holds_plain(n_req, n_tok, ids, states)):
             self._block, self._secs, self._fixed, step_s = last.block, last.secs, last.fixed, last.step_s
             draft = last.draft if len(last.draft) == len(ids) else [False] * len(ids)  # a plain plan held through a batch change
             self._save_explore(step_s)
