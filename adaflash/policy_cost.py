@@ -307,9 +307,7 @@ class CostPolicy(VerifyPolicy):
         step_s = float(secs[0])
         secs, fixed = self._decoding(secs, n_req, n_tok, ctx)
         self._secs, self._fixed = secs, fixed  # `lengths` reads them: the models do not change before the step is timed
-        pending = np.array([float(s.context_tokens) for s in states])  # [R] tokens to extend
-        k = self.overrun.k
-        draft_s, extend_s = tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)  # [R]
+        draft_s, extend_s = self._drafting_prices(states)  # (pass, request, row), [R]
         extra_s, spread_s = self._extend_charge(ids, states, extend_s, cum)  # [R], [R]
         self._save_explore(step_s)
         force = self._probes(ids, self._probe_cost(extend_s, draft_s, secs), draft_s[0], fits[:, 0])
@@ -406,12 +404,17 @@ class CostPolicy(VerifyPolicy):
         due = self._due(ids, [s.budget > 0 for s in states])
         if not due:
             return True
-        k = self.overrun.k
-        draft_s = tuple(k * d for d in self.cost.per_drafted)
-        extend_s = np.array([float(states[j].context_tokens) for j in due]) * (k * self.cost.per_context)  # [due]
+        draft_s, extend_s = self._drafting_prices(states)  # (pass, request, row), [R]
         secs = self.cost.verify_curve(n_req, n_tok, min(PROBE_DRAFTS, len(states) * (self.k_blk - 1)), mean_context(states))
-        first = max(range(len(due)), key=lambda x: self.skipped.get(ids[due[x]], 0))  # the one `_probes` tries first
-        return self._explore_after(last.step_s) < draft_s[0] + float(self._probe_cost(extend_s, draft_s, secs)[first])
+        first = due[0]  # the one `_probes` tries first
+        return self._explore_after(last.step_s) < draft_s[0] + float(self._probe_cost(extend_s[first : first + 1], draft_s, secs)[0])
+
+    def _drafting_prices(self, states: list[RequestState]) -> tuple[tuple[float, float, float], np.ndarray]:
+        """(seconds per drafter pass, per drafted request, per drafted block row; [R] seconds each request's pending
+        context takes to extend its drafter cache), the step-cost model's prices scaled by the overrun's k."""
+        k = self.overrun.k
+        pending = np.array([float(s.context_tokens) for s in states])  # [R] tokens to extend
+        return tuple(k * d for d in self.cost.per_drafted), pending * (k * self.cost.per_context)
 
     @staticmethod
     def _probe_cost(extend_s: np.ndarray, draft_s: tuple[float, float, float], secs: np.ndarray) -> np.ndarray:
@@ -513,7 +516,7 @@ class CostPolicy(VerifyPolicy):
             return force
         due = self._due(ids, can)
         spend = d_pass
-        for j in sorted(due, key=lambda j: -self.skipped.get(ids[j], 0))[: max(2, len(ids) // PROBE_SHARE)]:
+        for j in due[: max(2, len(ids) // PROBE_SHARE)]:
             if spend + float(cost[j]) > self.explore:
                 break
             spend += float(cost[j])
@@ -524,8 +527,10 @@ class CostPolicy(VerifyPolicy):
         return force
 
     def _due(self, ids: list[str], can) -> list[int]:
-        """Indices of `ids` whose probe back-off has elapsed, among those that can still commit a draft (can [R] bool)."""
-        return [j for j, i in enumerate(ids) if can[j] and self.skipped.get(i, 0) >= self.probe_every.get(i, 4)]
+        """Indices of `ids` whose probe back-off has elapsed, among those that can still commit a draft (can [R] bool),
+        in the order `_probes` tries them: the longest skipped first (ties in batch order)."""
+        due = [j for j, i in enumerate(ids) if can[j] and self.skipped.get(i, 0) >= self.probe_every.get(i, 4)]
+        return sorted(due, key=lambda j: -self.skipped.get(ids[j], 0))
 
     def _after_plan(self, rid: str, drafts: bool) -> None:
         if rid in self.forced:  # a probe: if it still does not pay, wait twice as long for the next
