@@ -32,7 +32,8 @@ since it last drafted (`Engine._extend_context`), so one that skipped many steps
 keeps that under the user cache (`cache_root()/cost/`), keyed by CPU/GPU model, the vector code ATen runs, torch threads, the
 target's fingerprint and both dtypes, so a restart on the same machine measures little: three of the
 points timed again (`drift`, about a second; again with more sweeps where one is off, a burst of other work
-excused), and the whole grid only where one is more than 30% off (a
+excused) scale the cached timings to the machine's speed now, and the whole grid is measured only where one is
+more than 30% off (a
 calibration another machine of the same processor model wrote; one that does not fit the linear model,
 disturbed by other processes, is used but not kept). Live steps
 then refit the coefficients (`Linear.observe`: least squares with exponential forgetting, pulled
@@ -45,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -247,6 +249,15 @@ class StepCost:
     def to_json(self) -> dict:
         return {"target": self.points["target"], "drafter": self.points["drafter"], "rows": self.points["rows"]}
 
+    def scaled(self, target: float, drafter: float, forget: float = 0.97) -> "StepCost":
+        """The same calibration with every target timing (points and rows) times `target` and every drafter
+        timing times `drafter`: a machine found that much slower or faster now (`drift`) keeps the grid's shape."""
+        if target == drafter == 1.0:
+            return self
+        tp = [(r, n, qk, target * t) for r, n, qk, t in self.points["target"]]
+        dp = [(r, ld, cx, drafter * t) for r, ld, cx, t in self.points["drafter"]]
+        return StepCost(tp, dp, forget, [(n, target * t) for n, t in self.points["rows"]] or None)
+
     @classmethod
     def from_json(cls, d: dict, forget: float = 0.97) -> "StepCost":
         rows = [tuple(p) for p in d.get("rows") or []]
@@ -411,14 +422,17 @@ SPOT_TARGET, SPOT_DRAFTER = ((8, 1), (8, 8)), ((8, 2),)
 SPOT_TOLERANCE = 0.3  # a cached point off by more than this share: the calibration is measured again
 SPOT_REPS = 3  # sweeps over the points, each keeping its fastest (twice as many again where one is off)
 SPOT_FLOOR = 2e-3  # seconds: cached points shorter than this are not compared (timer noise on small models)
-_CHECKED: set[Path] = set()  # cached calibrations this process has checked (a bench builds an engine a cell)
+# cached calibrations this process has checked (a bench builds an engine a cell) -> (target, drafter) speed found then:
+# fresh / cached seconds, by which the cache is scaled (`StepCost.scaled`)
+_CHECKED: dict[Path, tuple[float, float]] = {}
 
 
-def drift(target, drafter, cost: StepCost) -> float | None:
-    """How far a cached calibration is from this machine now: the largest |fresh / cached - 1| over the
-    SPOT_* points (timed as `measure` does, ~1 s for SmolLM2), those cached at SPOT_FLOOR seconds or more;
-    None where none is. The cache is keyed by processor model, and two VMs of one kind differed by 35-55% in
-    the drafter's pass and in where the row staircase rose (AMD EPYC, session 49): a calibration measured on
+def drift(target, drafter, cost: StepCost) -> tuple[float | None, tuple[float, float]]:
+    """How far a cached calibration is from this machine now: (the largest |fresh / cached - 1| over the SPOT_*
+    points (timed as `measure` does, ~1 s for SmolLM2), those cached at SPOT_FLOOR seconds or more, None where
+    none is; (target, drafter): each pass's fresh / cached seconds, the geometric mean over its compared points,
+    1 where none is). The cache is keyed by processor model, and two VMs of one kind differed by 35-55% in the
+    drafter's pass and in where the row staircase rose (AMD EPYC, session 49): a calibration measured on
     the other priced drafting too dear, and live refits correct the drafter's coefficients only where
     something drafts. Where a point is off, the points are timed once more and each keeps the faster of its
     two: the fastest of three sweeps still caught bursts of other work on a shared VM (8 requests drafting
@@ -429,16 +443,21 @@ def drift(target, drafter, cost: StepCost) -> float | None:
     def seconds(target_points, drafter_points) -> dict:  # (pass, its point) -> seconds
         return {("t", *p[:3]): p[3] for p in target_points} | {("d", *p[:3]): p[3] for p in drafter_points}
 
+    def ratios(fresh: dict) -> dict:  # (pass, its point) -> fresh / cached, the points cached at SPOT_FLOOR or more
+        return {k: t / cached[k] for k, t in fresh.items() if cached.get(k, 0.0) >= SPOT_FLOOR}
+
     def worst(fresh: dict) -> float | None:
-        off = [abs(t / cached[k] - 1.0) for k, t in fresh.items() if cached.get(k, 0.0) >= SPOT_FLOOR]
+        off = [abs(r - 1.0) for r in ratios(fresh).values()]
         return max(off) if off else None
 
     cached = seconds(cost.points["target"], cost.points["drafter"])
     fresh = seconds(*measure(target, drafter, SPOT_TARGET, (), SPOT_DRAFTER, (), reps=SPOT_REPS))
     if (off := worst(fresh)) is not None and off > SPOT_TOLERANCE:
         again = seconds(*measure(target, drafter, SPOT_TARGET, (), SPOT_DRAFTER, (), reps=2 * SPOT_REPS))
-        off = worst({k: min(t, again[k]) for k, t in fresh.items()})
-    return off
+        fresh = {k: min(t, again[k]) for k, t in fresh.items()}
+        off = worst(fresh)
+    logs = [[math.log(r) for k, r in ratios(fresh).items() if k[0] == kind] for kind in ("t", "d")]
+    return off, tuple(math.exp(sum(v) / len(v)) if v else 1.0 for v in logs)
 
 
 def processor(device: torch.device) -> str:
@@ -480,7 +499,12 @@ def machine_key(target, drafter) -> dict:
 
 def load_or_calibrate(target, drafter, cache_dir: Path | None = None, refresh: bool = False) -> StepCost:
     """The cached calibration for this processor/model/dtypes where a few of its points, timed again
-    (`drift`), are within SPOT_TOLERANCE of what it holds; otherwise a fresh one (then cached)."""
+    (`drift`), are within SPOT_TOLERANCE of what it holds, its target and drafter timings scaled by how much
+    faster or slower those points ran now; otherwise a fresh one (then cached). Unscaled, a calibration 15% off
+    (SmolLM2 float32 on a 2-core Xeon: 8 requests of one token each cached at 46 ms, timed at 38-40 a session
+    later) priced every plain step dearer, drafting's share of a step cheaper, and every fresh engine (a bench
+    builds one a cell) started so: its verify model, refitted live, was still 7-9% over the forwards it priced
+    after 80 steps at MT-Bench c=8."""
     from adaflash.target import cache_root
 
     key = machine_key(target, drafter)
@@ -492,11 +516,11 @@ def load_or_calibrate(target, drafter, cache_dir: Path | None = None, refresh: b
         except (ValueError, KeyError, TypeError):
             cost = None  # unreadable: measure again
         if cost is not None:
-            off = None if path in _CHECKED else drift(target, drafter, cost)
+            off, speed = (None, _CHECKED[path]) if path in _CHECKED else drift(target, drafter, cost)
             if off is None or off <= SPOT_TOLERANCE:
-                log.info("step costs of this machine and models: cached in %s", path)
-                _CHECKED.add(path)
-                return cost
+                log.info("step costs of this machine and models: cached in %s, timed now at %.2fx / %.2fx (target / drafter)", path, *speed)
+                _CHECKED[path] = speed
+                return cost.scaled(*speed)
             log.warning(  # another machine of this processor model wrote it, or this one is loaded now
                 "the cached step costs in %s are %.0f%% off what this machine measures now: measuring them again", path, 100 * off
             )
@@ -513,5 +537,5 @@ def load_or_calibrate(target, drafter, cache_dir: Path | None = None, refresh: b
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"key": key, **cost.to_json()}, indent=1) + "\n")
         tmp.replace(path)  # atomic: two servers starting together both write a whole file
-        _CHECKED.add(path)
+        _CHECKED[path] = (1.0, 1.0)
     return cost

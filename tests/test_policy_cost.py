@@ -18,6 +18,7 @@ from adaflash.choice import choose_block, choose_lengths, plan_drafts
 from adaflash.cost import (
     LONG_CONTEXT,
     LONG_GRID,
+    SPOT_REPS,
     SPOT_TOLERANCE,
     TARGET_GRID,
     Linear,
@@ -193,14 +194,14 @@ def test_a_cached_calibration_is_timed_again_by_a_new_process_and_measured_anew_
     load_or_calibrate(target, drafter, tmp_path)
     load_or_calibrate(target, drafter, tmp_path)  # the process that measured it trusts it
     assert len(calls) == 1
-    assert drift(target, drafter, linear_cost()) > SPOT_TOLERANCE
-    monkeypatch.setattr("adaflash.cost._CHECKED", set())  # a new process
+    assert drift(target, drafter, linear_cost())[0] > SPOT_TOLERANCE
+    monkeypatch.setattr("adaflash.cost._CHECKED", {})  # a new process
     load_or_calibrate(target, drafter, tmp_path)
     assert len(calls) == 2
     result[0] = linear_cost(d=(1e-4, 1e-5, 1e-5))  # every drafting point under SPOT_FLOOR
     load_or_calibrate(target, drafter, tmp_path, refresh=True)
-    assert len(calls) == 3 and drift(target, drafter, result[0]) is None
-    monkeypatch.setattr("adaflash.cost._CHECKED", set())
+    assert len(calls) == 3 and drift(target, drafter, result[0]) == (None, (1.0, 1.0))
+    monkeypatch.setattr("adaflash.cost._CHECKED", {})
     load_or_calibrate(target, drafter, tmp_path)
     assert len(calls) == 3
 
@@ -222,8 +223,43 @@ def test_a_spot_check_slowed_by_a_burst_is_timed_once_more_before_the_whole_grid
             return timings(scales[len(calls) - 1])
 
         monkeypatch.setattr("adaflash.cost.measure", measure)
-        assert drift(None, None, SimpleNamespace(points=cached)) == pytest.approx(expected)
+        off, speed = drift(None, None, SimpleNamespace(points=cached))
+        assert off == pytest.approx(expected) and speed == pytest.approx((1 + expected, 1 + expected))
         assert len(calls) == len(scales) and calls[-1]["reps"] == (3 if len(calls) == 1 else 6)
+
+
+def test_a_cached_calibration_is_scaled_to_the_speed_its_spot_check_finds(tmp_path, monkeypatch):
+    """A cache within SPOT_TOLERANCE is used at the machine's speed now: each pass's timings scaled by the
+    geometric mean of its points' fresh / cached seconds (target 0.85 and 0.9 here, drafter 1.1); the process
+    that checked it reuses that speed without timing again, and the file keeps what was measured."""
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    cost = linear_cost(d=(0.004, 0.002, 0.001))  # drafting 8 requests of 2 tokens: 36 ms, over SPOT_FLOOR
+    monkeypatch.setattr("adaflash.cost.calibrate", lambda *a, **k: cost)
+    monkeypatch.setattr("adaflash.cost._CHECKED", {})
+    load_or_calibrate(target, drafter, tmp_path)  # measured and cached: used as measured
+    (path,) = tmp_path.glob("*.json")
+    kept = path.read_text()
+    fresh = {(8, 8): 0.85, (8, 32): 0.9}  # (R, N): as the spot points, 8 requests of 1 and 4 tokens
+    calls = []
+
+    def measure(target_, drafter_, target_grid, long_grid, drafter_grid, extend_grid, reps):
+        calls.append(reps)
+        tp = [p[:3] + (fresh[p[:2]] * p[3],) for p in cost.points["target"] if p[:2] in fresh]
+        dp = [p[:3] + (1.1 * p[3],) for p in cost.points["drafter"] if p[:2] == (8, 2)]
+        return tp, dp
+
+    monkeypatch.setattr("adaflash.cost.measure", measure)
+    monkeypatch.setattr("adaflash.cost._CHECKED", {})  # a new process
+    got = load_or_calibrate(target, drafter, tmp_path)
+    t_speed = (0.85 * 0.9) ** 0.5
+    assert calls == [SPOT_REPS]
+    assert got.verify(8, 8) == pytest.approx(t_speed * cost.verify(8, 8), rel=1e-6)
+    assert got.verify(32, 64) == pytest.approx(t_speed * cost.verify(32, 64), rel=1e-6)
+    assert got.draft(8, 2) == pytest.approx(1.1 * cost.draft(8, 2), rel=1e-6)
+    again = load_or_calibrate(target, drafter, tmp_path)  # the same process: no second check, the same speed
+    assert calls == [SPOT_REPS] and again.verify(8, 8) == pytest.approx(got.verify(8, 8))
+    assert path.read_text() == kept
 
 
 # ----------------------------------------------------------------------------- acceptance model
