@@ -421,8 +421,8 @@ class DecoderLayer(nn.Module):
         packs = [qkv.pack, outs[0]._packed(), gu.pack, outs[1]._packed()]
         if x.dtype == torch.bfloat16 and all(isinstance(p, amx_cpu.Packed) for p in packs):
             return [norms[0], packs[0].tiles, packs[1].tiles, norms[1], packs[2].tiles, packs[3].tiles, *qk]
-        # float32 through oneDNN: the C++ loop runs `_one_call` (its padding hard-wired: 1-2 rows to 4)
-        if x.dtype == torch.float32 and (PAD_ROWS, MIN_ROWS) == (2, 4) and all(isinstance(p, torch.Tensor) and p.is_mkldnn for p in packs):
+        # float32 through oneDNN: the C++ loop runs `_one_call` (`stacked_layers` hands it PAD_ROWS and MIN_ROWS)
+        if x.dtype == torch.float32 and all(isinstance(p, torch.Tensor) and p.is_mkldnn for p in packs):
             return [norms[0], packs[0], packs[1], norms[1], packs[2], packs[3], *qk]
         return None
 
@@ -441,7 +441,7 @@ def stacked_layers(owner: nn.Module, layers, x: torch.Tensor, batch, cos: torch.
     a, pool = layers[0].self_attn, batch.pool
     return ext.forward_layers(
         x, weights, cos, sin, pool.k, pool.v, batch.tok_slot, batch.tok_pos, batch.req, batch.tree_bits, *batch.ctx,
-        a.n_heads, a.n_kv_heads, eps, a.head_dim**-0.5, attention_cpu.amx_scores(pool.k[0]), list(features),
+        a.n_heads, a.n_kv_heads, eps, a.head_dim**-0.5, attention_cpu.amx_scores(pool.k[0]), list(features), PAD_ROWS, MIN_ROWS,
     )  # fmt: skip
 
 

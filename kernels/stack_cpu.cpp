@@ -67,16 +67,17 @@ void check_pool(const char* who, const torch::Tensor& slot, const torch::Tensor&
                 who, ": the pool must be contiguous [R, Hkv, C, D] in the activations' dtype");
 }
 
-// a float32 projection through oneDNN as layers.packed_mm runs it (one call; 1-2 rows padded to 4 with zero rows, as
-// `_one_call` does: PAD_ROWS, MIN_ROWS): x [M, K] float32, pack its oneDNN-blocked weight (layers.pack_weight)
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& pack) {
+// a float32 projection through oneDNN as layers.packed_mm runs it (one call; at most pad_rows rows padded to min_rows
+// with zero rows, as `_one_call` does: layers.PAD_ROWS, MIN_ROWS): x [M, K] float32, pack its oneDNN-blocked weight
+// (layers.pack_weight)
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& pack, int64_t pad_rows, int64_t min_rows) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
                                          c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>();
   const int64_t m = x.size(0);
-  if (m > 2) return op.call(x, pack, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
-  auto padded = torch::zeros({4, x.size(1)}, x.options());
+  if (m > pad_rows) return op.call(x, pack, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  auto padded = torch::zeros({min_rows, x.size(1)}, x.options());
   padded.narrow(0, 0, m).copy_(x);
   return op.call(padded, pack, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt).narrow(0, 0, m);
 }
@@ -89,13 +90,14 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& pack) {
 // post-attention norm, (packed, d, m) of the fused gate/up and of down; q4_cpu's layout; bf16 or float32 x), each
 // with the q and k norms [D] after them where the layer has them; cos, sin [1, 1, N, D] and pool_k, pool_v (per
 // layer [R, Hkv, C, D]) in x's dtype; slot, pos [N] int64 (kvcache.packed_slots); req, trees, ctx, ctx_off: as
-// ragged_attention takes them. -> (x after the last layer [N, H], the outputs of the layers in `features` side by
-// side [N, len(features) * H]).
+// ragged_attention takes them; pad_rows, min_rows: float32 projections of at most pad_rows rows run padded to min_rows
+// (`onednn_linear`). -> (x after the last layer [N, H], the outputs of the layers in `features` side by side
+// [N, len(features) * H]).
 std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
                                           std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v, torch::Tensor slot,
                                           torch::Tensor pos, torch::Tensor req, torch::Tensor trees, torch::Tensor ctx,
                                           torch::Tensor ctx_off, int64_t hq, int64_t hkv, double eps, double scale, bool amx_scores,
-                                          std::vector<int64_t> features) {
+                                          std::vector<int64_t> features, int64_t pad_rows, int64_t min_rows) {
   const int64_t layers = static_cast<int64_t>(pool_k.size());
   const int64_t per = layers ? static_cast<int64_t>(weights.size()) / layers : 0;
   TORCH_CHECK(layers && (per == 6 || per == 8 || per == 14 || per == 16) && per * layers == static_cast<int64_t>(weights.size()),
@@ -105,7 +107,7 @@ std::vector<torch::Tensor> forward_layers(torch::Tensor x, std::vector<torch::Te
   static constexpr int64_t amx_at[4] = {1, 2, 4, 5}, q4_at[4] = {1, 4, 8, 11};  // each projection's (first) place there
   auto linear = [&](int64_t l, int p, const torch::Tensor& in) {
     const torch::Tensor* w = weights.data() + per * l + (q4 ? q4_at[p] : amx_at[p]);
-    return q4 ? q4_k::q4_linear(in, w[0], w[1], w[2]) : w[0].is_mkldnn() ? onednn_linear(in, w[0]) : amx_k::amx_linear(in, w[0]);
+    return q4 ? q4_k::q4_linear(in, w[0], w[1], w[2]) : w[0].is_mkldnn() ? onednn_linear(in, w[0], pad_rows, min_rows) : amx_k::amx_linear(in, w[0]);
   };
   const int64_t n = x.size(0), d = cos.size(3);
   const auto dt = x.scalar_type();

@@ -103,6 +103,17 @@ def test_float32_stack_gives_the_python_loops_bits(monkeypatch):
         model.forward_packed([torch.tensor([1, 2, 3])], [model.new_cache(1, 16)])
     assert calls == [6 * len(model.model.layers)]
     same_bits(model, monkeypatch)
+    from adaflash import layers
+
+    # the loop takes its padding from layers (one source): another one runs it too, with the Python loop's bits
+    monkeypatch.setattr(layers, "PAD_ROWS", 4)
+    monkeypatch.setattr(layers, "MIN_ROWS", 8)
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(stack_cpu, "load", counting(calls))
+        model.forward_packed([torch.tensor([1, 2, 3])], [model.new_cache(1, 16)])
+    assert calls == [6 * len(model.model.layers)]
+    same_bits(model, monkeypatch)
 
 
 @needs_q4
