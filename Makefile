@@ -50,12 +50,14 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
-# llama.cpp compiled here from llama-cpp-python's sources, for this CPU's vector units: AVX2, plus AVX-512
-# (VNNI, BF16) where the CPU has it. Not GGML_NATIVE: on a Xeon with AMX that build (0.3.36) crashed with a
-# segfault in every batched prompt decode of the Q4_1 GGUF. Only its Python bindings run, on the same GGUF file.
-AVX512 := $(shell grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null && echo 1)
+# llama.cpp compiled here from llama-cpp-python's sources, for this CPU's vector units: AVX2, plus each AVX-512
+# extension (VBMI, VNNI, BF16) the CPU has (a Xeon with VNNI but no BF16 exists: sessions 61-62). Not GGML_NATIVE: on a
+# Xeon with AMX that build (0.3.36) crashed with a segfault in every batched prompt decode of the Q4_1 GGUF. Only
+# its Python bindings run, on the same GGUF file.
+cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON)
 LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-	$(if $(AVX512),-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+	$(if $(call cpu_has,avx512f),-DGGML_AVX512=ON $(foreach f,VBMI:avx512vbmi VNNI:avx512_vnni BF16:avx512_bf16,\
+	$(if $(call cpu_has,$(word 2,$(subst :, ,$(f)))),-DGGML_AVX512_$(word 1,$(subst :, ,$(f)))=ON)))
 $(LLAMACPP_STAMP):
 	python3 -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
