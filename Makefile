@@ -56,8 +56,8 @@ vllm: $(VLLM_STAMP)
 # its Python bindings run, on the same GGUF file.
 cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON)
 LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-	$(if $(call cpu_has,avx512f),-DGGML_AVX512=ON $(foreach f,VBMI:avx512vbmi VNNI:avx512_vnni BF16:avx512_bf16,\
-	$(if $(call cpu_has,$(word 2,$(subst :, ,$(f)))),-DGGML_AVX512_$(word 1,$(subst :, ,$(f)))=ON)))
+	$(if $(call cpu_has,avx512f),-DGGML_AVX512=ON) $(if $(call cpu_has,avx512vbmi),-DGGML_AVX512_VBMI=ON) \
+	$(if $(call cpu_has,avx512_vnni),-DGGML_AVX512_VNNI=ON) $(if $(call cpu_has,avx512_bf16),-DGGML_AVX512_BF16=ON)
 $(LLAMACPP_STAMP):
 	python3 -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip

@@ -249,14 +249,14 @@ class StepCost:
     def to_json(self) -> dict:
         return {"target": self.points["target"], "drafter": self.points["drafter"], "rows": self.points["rows"]}
 
-    def scaled(self, target: float, drafter: float, forget: float = 0.97) -> "StepCost":
+    def scaled(self, target: float, drafter: float) -> "StepCost":
         """The same calibration with every target timing (points and rows) times `target` and every drafter
         timing times `drafter`: a machine found that much slower or faster now (`drift`) keeps the grid's shape."""
         if target == drafter == 1.0:
             return self
         tp = [(r, n, qk, target * t) for r, n, qk, t in self.points["target"]]
         dp = [(r, ld, cx, drafter * t) for r, ld, cx, t in self.points["drafter"]]
-        return StepCost(tp, dp, forget, [(n, target * t) for n, t in self.points["rows"]] or None)
+        return StepCost(tp, dp, self.target.forget, [(n, target * t) for n, t in self.points["rows"]] or None)
 
     @classmethod
     def from_json(cls, d: dict, forget: float = 0.97) -> "StepCost":

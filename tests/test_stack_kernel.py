@@ -13,6 +13,8 @@ from adaflash.kernels import amx_cpu, q4_cpu, stack_cpu
 from conftest import tiny_drafter, tiny_target
 from torch import nn
 
+from adaflash import layers
+
 needs_amx = pytest.mark.skipif(stack_cpu.load() is None or not amx_cpu.available(), reason="no AMX here (or no kernel build)")
 needs_q4 = pytest.mark.skipif(stack_cpu.load() is None or q4_cpu.load() is None, reason="the q4 or the stack kernel did not build here")
 
@@ -103,8 +105,6 @@ def test_float32_stack_gives_the_python_loops_bits(monkeypatch):
         model.forward_packed([torch.tensor([1, 2, 3])], [model.new_cache(1, 16)])
     assert calls == [6 * len(model.model.layers)]
     same_bits(model, monkeypatch)
-    from adaflash import layers
-
     # the loop takes its padding from layers (one source): another one runs it too, with the Python loop's bits
     monkeypatch.setattr(layers, "PAD_ROWS", 4)
     monkeypatch.setattr(layers, "MIN_ROWS", 8)
