@@ -268,6 +268,7 @@ class CostPolicy(VerifyPolicy):
         # steps; labelling each round on its step, each NumPy call slowed by caches the target's forward had emptied,
         # cost HumanEval at c=1 about 0.25% (the policy's work with fixed6's choices: 0.977 -> 0.979x fixed6)
         self._unlabelled: list[tuple] = []
+        self._unlabelled_n = [0, 0]  # their labels for the block model and for the prior (`_seen`, `_at_risk`), summed as they come
         self._unlabelled_chains: list[tuple] = []
         # request (None: the traffic's) -> ([RECENT, K-1] the block model's conditional P of its last rounds, NaN past
         # each round's block; rounds written so far): what the verify choice saw, for the plans (`_options`)
@@ -668,18 +669,19 @@ class CostPolicy(VerifyPolicy):
         block model predicted there: so a request whose drafts are never worth verifying stops being
         drafted. Positions after a rejection are not at risk (see the comment below) and left out."""
         new = _verified(self.pending, states, accepted, self.running, lambda p: len(p.p))
+        if not new:  # nothing verified: no model can have come closer to a refit
+            return
         self.labelled += len(new)
         self._unlabelled += new
-        rows = self._unlabelled
-        if rows and (
-            self.block.held + sum(_seen(*r[1:]) for r in rows) >= self.block.batch
-            or self.prior.held + sum(_at_risk(*r[1:]) for r in rows) >= self.prior.batch
-        ):  # a model would refit on them: until then both would only hold them
-            self._hand_over()
+        n = self._unlabelled_n
+        n[0] += sum(_seen(*r[1:]) for r in new)
+        n[1] += sum(_at_risk(*r[1:]) for r in new)
+        if self.block.held + n[0] >= self.block.batch or self.prior.held + n[1] >= self.prior.batch:
+            self._hand_over()  # a model would refit on them: until then both would only hold them
 
     def _hand_over(self) -> None:
         """Label the rounds `observe` kept and hand them to both acceptance models."""
-        rows, self._unlabelled = self._unlabelled, []
+        rows, self._unlabelled, self._unlabelled_n = self._unlabelled, [], [0, 0]
         x = np.concatenate([p.x for p, *_ in rows])  # [n, 4]
         y, seen = _labels(rows)  # [n], [n]
         self.block.update(x[seen], y[seen])
