@@ -268,8 +268,9 @@ class CostPolicy(VerifyPolicy):
         # steps; labelling each round on its step, each NumPy call slowed by caches the target's forward had emptied,
         # cost HumanEval at c=1 about 0.25% (the policy's work with fixed6's choices: 0.977 -> 0.979x fixed6)
         self._unlabelled: list[tuple] = []
-        self._unlabelled_n = [0, 0]  # their labels for the block model and for the prior (`_seen`, `_at_risk`), summed as they come
+        self._unlabelled_seen = self._unlabelled_risk = 0  # their labels for the block model (`_seen`) and the prior (`_at_risk`)
         self._unlabelled_chains: list[tuple] = []
+        self._unlabelled_chain_seen = 0  # their labels for the chain model; all three summed as rounds come, not every step
         # request (None: the traffic's) -> ([RECENT, K-1] the block model's conditional P of its last rounds, NaN past
         # each round's block; rounds written so far): what the verify choice saw, for the plans (`_options`)
         self.recent: dict[str | None, tuple[np.ndarray, int]] = {}
@@ -622,11 +623,14 @@ class CostPolicy(VerifyPolicy):
 
     def observe_lookup(self, states, accepted):
         """Label each verified chain's positions (censored after the first rejection) and refit the chain model."""
-        self._unlabelled_chains += _verified(self.chain_pending, states, accepted, self.running_chain, len)  # entries: features [J, 3]
-        rows = self._unlabelled_chains
-        if not rows or self.chain.held + sum(_seen(*r[1:]) for r in rows) < self.chain.batch:
+        new = _verified(self.chain_pending, states, accepted, self.running_chain, len)  # entries: features [J, 3]
+        if not new:
+            return
+        self._unlabelled_chains += new
+        self._unlabelled_chain_seen += sum(_seen(*r[1:]) for r in new)
+        if self.chain.held + self._unlabelled_chain_seen < self.chain.batch:
             return  # the model would only hold them
-        self._unlabelled_chains = []
+        rows, self._unlabelled_chains, self._unlabelled_chain_seen = self._unlabelled_chains, [], 0
         y, seen = _labels(rows)  # [n], [n]
         self.chain.update(np.concatenate([x for x, *_ in rows])[seen], y[seen])
 
@@ -673,15 +677,15 @@ class CostPolicy(VerifyPolicy):
             return
         self.labelled += len(new)
         self._unlabelled += new
-        n = self._unlabelled_n
-        n[0] += sum(_seen(*r[1:]) for r in new)
-        n[1] += sum(_at_risk(*r[1:]) for r in new)
-        if self.block.held + n[0] >= self.block.batch or self.prior.held + n[1] >= self.prior.batch:
+        self._unlabelled_seen += sum(_seen(*r[1:]) for r in new)
+        self._unlabelled_risk += sum(_at_risk(*r[1:]) for r in new)
+        if self.block.held + self._unlabelled_seen >= self.block.batch or self.prior.held + self._unlabelled_risk >= self.prior.batch:
             self._hand_over()  # a model would refit on them: until then both would only hold them
 
     def _hand_over(self) -> None:
         """Label the rounds `observe` kept and hand them to both acceptance models."""
-        rows, self._unlabelled, self._unlabelled_n = self._unlabelled, [], [0, 0]
+        rows, self._unlabelled = self._unlabelled, []
+        self._unlabelled_seen = self._unlabelled_risk = 0
         x = np.concatenate([p.x for p, *_ in rows])  # [n, 4]
         y, seen = _labels(rows)  # [n], [n]
         self.block.update(x[seen], y[seen])
